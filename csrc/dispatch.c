@@ -1,0 +1,396 @@
+/* Checks a forward's views and runs routing and the experts on the CPU or
+ * CUDA engine: the one code path behind MoECore.forward and the functional
+ * API. Everything is checked before anything is allocated or written. */
+#include "glue.h"
+
+#include <string.h>
+
+#define WORKSPACE_ALIGN 256
+
+static const mx_dtype float_dtypes[] = {MX_F32, MX_F16, MX_BF16};
+
+static size_t align_up(size_t n)
+{
+    return (n + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
+}
+
+/* Runs `call` on the tensor's device with the current stream. */
+typedef struct device_scope {
+    int previous;
+    void *stream;
+    int swapped;
+} device_scope;
+
+#ifdef MOE_EXT_WITH_CUDA
+static int enter_device(mx_module_state *st, const mx_tensor *t, device_scope *scope)
+{
+    scope->swapped = 0;
+    scope->stream = NULL;
+    if (t->device_type != MX_CUDA)
+        return 0;
+    mx_status status = mx_cuda_swap_device(t->device_id, &scope->previous);
+    if (status.code != MX_OK) {
+        mx_raise_status(&status);
+        return -1;
+    }
+    scope->swapped = 1;
+    if (mx_current_stream(st, t->device_id, &scope->stream) < 0) {
+        int ignored;
+        mx_cuda_swap_device(scope->previous, &ignored);
+        scope->swapped = 0;
+        return -1;
+    }
+    return 0;
+}
+
+static void leave_device(device_scope *scope)
+{
+    if (scope->swapped) {
+        int ignored;
+        mx_cuda_swap_device(scope->previous, &ignored);
+    }
+}
+#else
+static int enter_device(mx_module_state *st, const mx_tensor *t, device_scope *scope)
+{
+    (void)st;
+    scope->swapped = 0;
+    scope->stream = NULL;
+    if (t->device_type == MX_CUDA) {
+        PyErr_SetString(PyExc_NotImplementedError, "CUDA tensors: this moe_ext build has no CUDA "
+                        "engine (built without nvcc or with MOE_EXT_CUDA=0)");
+        return -1;
+    }
+    return 0;
+}
+
+static void leave_device(device_scope *scope)
+{
+    (void)scope;
+}
+#endif
+
+static mx_status route_on(const mx_tensor *where, const mx_routing_problem *p, void *stream)
+{
+#ifdef MOE_EXT_WITH_CUDA
+    if (where->device_type == MX_CUDA)
+        return mx_cuda_route(p, stream);
+#else
+    (void)stream;
+#endif
+    (void)where;
+    return mx_cpu_route(p);
+}
+
+static size_t experts_workspace_on(const mx_tensor *where, const mx_experts_problem *p)
+{
+#ifdef MOE_EXT_WITH_CUDA
+    if (where->device_type == MX_CUDA)
+        return mx_cuda_experts_workspace_bytes(p);
+#endif
+    (void)where;
+    return mx_cpu_experts_workspace_bytes(p);
+}
+
+static mx_status experts_on(const mx_tensor *where, const mx_experts_problem *p, void *ws,
+                            void *stream)
+{
+#ifdef MOE_EXT_WITH_CUDA
+    if (where->device_type == MX_CUDA)
+        return mx_cuda_experts(p, ws, stream);
+#else
+    (void)stream;
+#endif
+    (void)where;
+    return mx_cpu_experts(p, ws);
+}
+
+/* Checks router_logits [M, E] and the optional bias [E]; 0 => ok. */
+static int check_routing_inputs(const mx_route_args *a, const mx_tensor *logits,
+                                const mx_tensor *bias)
+{
+    const int64_t any2[2] = {-1, -1};
+    if (mx_check_dtype_in(logits, "router_logits", float_dtypes, 3) < 0 ||
+        mx_check_shape(logits, "router_logits", 2, any2) < 0 ||
+        mx_check_contiguous(logits, "router_logits") < 0)
+        return -1;
+    int64_t experts = logits->shape[1];
+    if (a->top_k < 1 || a->top_k > experts) {
+        PyErr_Format(PyExc_ValueError, "top_k: expected 1 <= top_k <= %lld experts, got %d",
+                     (long long)experts, a->top_k);
+        return -1;
+    }
+    if (a->num_expert_group > 0) {
+        if (experts % a->num_expert_group != 0) {
+            PyErr_Format(PyExc_ValueError, "num_expert_group: %d does not divide the %lld experts",
+                         a->num_expert_group, (long long)experts);
+            return -1;
+        }
+        if (a->topk_group < 1 || a->topk_group > a->num_expert_group) {
+            PyErr_Format(PyExc_ValueError, "topk_group: expected 1 <= topk_group <= %d, got %d",
+                         a->num_expert_group, a->topk_group);
+            return -1;
+        }
+        if ((int64_t)a->topk_group * (experts / a->num_expert_group) < a->top_k) {
+            PyErr_Format(PyExc_ValueError, "top_k: %d exceeds the %lld experts in the %d kept groups",
+                         a->top_k, (long long)(a->topk_group * (experts / a->num_expert_group)),
+                         a->topk_group);
+            return -1;
+        }
+    }
+    if (bias->data) {
+        const int64_t want[1] = {experts};
+        if (mx_check_dtype_in(bias, "e_score_correction_bias", float_dtypes, 3) < 0 ||
+            mx_check_shape(bias, "e_score_correction_bias", 1, want) < 0 ||
+            mx_check_contiguous(bias, "e_score_correction_bias") < 0 ||
+            mx_check_same_device(bias, "e_score_correction_bias", logits, "router_logits") < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static void fill_routing_problem(mx_routing_problem *p, const mx_route_args *a,
+                                 const mx_tensor *logits, const mx_tensor *bias, float *weights,
+                                 int32_t *ids)
+{
+    memset(p, 0, sizeof *p);
+    p->num_tokens = logits->shape[0];
+    p->num_experts = logits->shape[1];
+    p->top_k = a->top_k;
+    p->scoring = a->scoring;
+    p->renormalize = a->renormalize;
+    p->num_expert_group = a->num_expert_group;
+    p->topk_group = a->topk_group;
+    p->routed_scaling_factor = a->routed_scaling_factor;
+    p->logits_dtype = logits->dtype;
+    p->router_logits = logits->data;
+    p->bias_dtype = bias->data ? bias->dtype : MX_F32;
+    p->correction_bias = bias->data;
+    p->topk_weights = weights;
+    p->topk_ids = ids;
+}
+
+PyObject *mx_run_route(mx_module_state *st, const mx_route_args *a, const mx_tensor *logits,
+                       const mx_tensor *bias)
+{
+    if (check_routing_inputs(a, logits, bias) < 0)
+        return NULL;
+    int64_t shape[2] = {logits->shape[0], a->top_k};
+    mx_tensor wv, iv;
+    PyObject *weights = mx_new_tensor(st, MX_F32, 2, shape, logits->device_type,
+                                      logits->device_id, &wv);
+    PyObject *ids = weights ? mx_new_tensor(st, MX_I32, 2, shape, logits->device_type,
+                                            logits->device_id, &iv) : NULL;
+    if (!ids)
+        goto error;
+    if (shape[0] > 0) {
+        device_scope scope;
+        if (enter_device(st, logits, &scope) < 0)
+            goto error;
+        mx_routing_problem p;
+        fill_routing_problem(&p, a, logits, bias, wv.data, iv.data);
+        mx_status status = route_on(logits, &p, scope.stream);
+        leave_device(&scope);
+        if (status.code != MX_OK) {
+            mx_raise_status(&status);
+            goto error;
+        }
+    }
+    PyObject *result = PyTuple_Pack(2, weights, ids);
+    Py_DECREF(weights);
+    Py_DECREF(ids);
+    return result;
+error:
+    Py_XDECREF(weights);
+    Py_XDECREF(ids);
+    return NULL;
+}
+
+/* Checks weights, biases and expert_map against x; fills the size fields of p. */
+static int check_expert_inputs(const mx_experts_args *a, const mx_tensor *x,
+                               const mx_tensor *w13, const mx_tensor *w2,
+                               const mx_tensor *w13_bias, const mx_tensor *w2_bias,
+                               const mx_tensor *expert_map, mx_experts_problem *p)
+{
+    const int64_t any2[2] = {-1, -1}, any3[3] = {-1, -1, -1};
+    if (mx_check_dtype_in(x, "hidden_states", float_dtypes, 3) < 0 ||
+        mx_check_shape(x, "hidden_states", 2, any2) < 0 ||
+        mx_check_contiguous(x, "hidden_states") < 0)
+        return -1;
+    if (mx_check_shape(w2, "w2", 3, any3) < 0)
+        return -1;
+    int64_t hidden = x->shape[1], experts = w2->shape[0], inter = w2->shape[2];
+    if (a->intermediate_size > 0 && inter != a->intermediate_size) {
+        const int64_t want[3] = {-1, hidden, a->intermediate_size};
+        return mx_check_shape(w2, "w2", 3, want);
+    }
+    int64_t n1 = a->is_act_and_mul ? 2 * inter : inter;
+    const int64_t w13_want[3] = {experts, n1, hidden}, w2_want[3] = {experts, hidden, inter};
+    if (mx_check_dtype_is(w13, "w13", x->dtype) < 0 || mx_check_shape(w13, "w13", 3, w13_want) < 0 ||
+        mx_check_contiguous(w13, "w13") < 0 ||
+        mx_check_same_device(w13, "w13", x, "hidden_states") < 0 ||
+        mx_check_dtype_is(w2, "w2", x->dtype) < 0 || mx_check_shape(w2, "w2", 3, w2_want) < 0 ||
+        mx_check_contiguous(w2, "w2") < 0 ||
+        mx_check_same_device(w2, "w2", x, "hidden_states") < 0)
+        return -1;
+    if (w13_bias->data) {
+        const int64_t want[2] = {experts, n1};
+        if (mx_check_dtype_is(w13_bias, "w13_bias", x->dtype) < 0 ||
+            mx_check_shape(w13_bias, "w13_bias", 2, want) < 0 ||
+            mx_check_contiguous(w13_bias, "w13_bias") < 0 ||
+            mx_check_same_device(w13_bias, "w13_bias", x, "hidden_states") < 0)
+            return -1;
+    }
+    if (w2_bias->data) {
+        const int64_t want[2] = {experts, hidden};
+        if (mx_check_dtype_is(w2_bias, "w2_bias", x->dtype) < 0 ||
+            mx_check_shape(w2_bias, "w2_bias", 2, want) < 0 ||
+            mx_check_contiguous(w2_bias, "w2_bias") < 0 ||
+            mx_check_same_device(w2_bias, "w2_bias", x, "hidden_states") < 0)
+            return -1;
+    }
+    int64_t global = a->global_num_experts > 0 ? a->global_num_experts : experts;
+    if (expert_map->data) {
+        const int64_t want[1] = {expert_map->ndim == 1 ? expert_map->shape[0] : -1};
+        if (mx_check_dtype_is(expert_map, "expert_map", MX_I32) < 0 ||
+            mx_check_shape(expert_map, "expert_map", 1, want) < 0 ||
+            mx_check_contiguous(expert_map, "expert_map") < 0 ||
+            mx_check_same_device(expert_map, "expert_map", x, "hidden_states") < 0)
+            return -1;
+        global = expert_map->shape[0];
+    } else if (global != experts) {
+        PyErr_Format(PyExc_ValueError, "expert_map: required when the %lld global experts differ "
+                     "from the %lld local ones", (long long)global, (long long)experts);
+        return -1;
+    }
+    if (a->activation == MX_ACT_SWIGLUOAI && !a->is_act_and_mul) {
+        PyErr_SetString(PyExc_ValueError, "activation: 'swigluoai' is gated; it needs is_act_and_mul=True");
+        return -1;
+    }
+    if (a->activation == MX_ACT_RELU2 && a->is_act_and_mul) {
+        PyErr_SetString(PyExc_ValueError, "activation: 'relu2' is only supported non-gated "
+                        "(is_act_and_mul=False)");
+        return -1;
+    }
+    memset(p, 0, sizeof *p);
+    p->num_tokens = x->shape[0];
+    p->hidden_size = hidden;
+    p->intermediate_size = inter;
+    p->num_local_experts = experts;
+    p->global_num_experts = global;
+    p->activation = a->activation;
+    p->is_act_and_mul = a->is_act_and_mul;
+    p->swiglu_alpha = a->swiglu_alpha;
+    p->swiglu_limit = a->swiglu_limit;
+    p->apply_router_weight_on_input = a->apply_router_weight_on_input;
+    p->act_dtype = x->dtype;
+    p->hidden_states = x->data;
+    p->w13 = w13->data;
+    p->w2 = w2->data;
+    p->w13_bias = w13_bias->data;
+    p->w2_bias = w2_bias->data;
+    p->expert_map = expert_map->data;
+    return 0;
+}
+
+static int check_topk(const mx_tensor *x, const mx_tensor *topk_weights, const mx_tensor *topk_ids)
+{
+    const int64_t want[2] = {x->shape[0], topk_ids->ndim == 2 ? topk_ids->shape[1] : -1};
+    if (mx_check_dtype_is(topk_ids, "topk_ids", MX_I32) < 0 ||
+        mx_check_shape(topk_ids, "topk_ids", 2, want) < 0 ||
+        mx_check_contiguous(topk_ids, "topk_ids") < 0 ||
+        mx_check_same_device(topk_ids, "topk_ids", x, "hidden_states") < 0 ||
+        mx_check_dtype_is(topk_weights, "topk_weights", MX_F32) < 0 ||
+        mx_check_shape(topk_weights, "topk_weights", 2, want) < 0 ||
+        mx_check_contiguous(topk_weights, "topk_weights") < 0 ||
+        mx_check_same_device(topk_weights, "topk_weights", x, "hidden_states") < 0)
+        return -1;
+    if (want[1] < 1) {
+        PyErr_SetString(PyExc_ValueError, "topk_ids: expected at least one expert per token");
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_experts_args *ea,
+                     const mx_tensor *x, const mx_tensor *logits, const mx_tensor *bias,
+                     const mx_tensor *topk_weights, const mx_tensor *topk_ids,
+                     const mx_tensor *w13, const mx_tensor *w2, const mx_tensor *w13_bias,
+                     const mx_tensor *w2_bias, const mx_tensor *expert_map)
+{
+    mx_experts_problem p;
+    if (check_expert_inputs(ea, x, w13, w2, w13_bias, w2_bias, expert_map, &p) < 0)
+        return NULL;
+    int routed_here = topk_ids->data == NULL;
+    int top_k;
+    if (routed_here) {
+        if (check_routing_inputs(ra, logits, bias) < 0 ||
+            mx_check_same_device(logits, "router_logits", x, "hidden_states") < 0)
+            return NULL;
+        const int64_t want[2] = {x->shape[0], p.global_num_experts};
+        if (mx_check_shape(logits, "router_logits", 2, want) < 0)
+            return NULL;
+        top_k = ra->top_k;
+    } else {
+        if (check_topk(x, topk_weights, topk_ids) < 0)
+            return NULL;
+        top_k = (int)topk_ids->shape[1];
+    }
+    if (ea->apply_router_weight_on_input && top_k != 1) {
+        PyErr_Format(PyExc_ValueError, "apply_router_weight_on_input: only supported with top_k == 1, "
+                     "got top_k = %d", top_k);
+        return NULL;
+    }
+    p.top_k = top_k;
+
+    int64_t out_shape[2] = {x->shape[0], x->shape[1]};
+    mx_tensor out_view;
+    PyObject *out = mx_new_tensor(st, x->dtype, 2, out_shape, x->device_type, x->device_id,
+                                  &out_view);
+    if (!out || x->shape[0] == 0)
+        return out;
+    p.output = out_view.data;
+
+    size_t pairs = (size_t)x->shape[0] * (size_t)top_k;
+    size_t routing_bytes = routed_here ? 2 * align_up(pairs * 4) : 0;
+    size_t engine_bytes = experts_workspace_on(x, &p);
+    int64_t ws_shape[1] = {(int64_t)(routing_bytes + align_up(engine_bytes) + WORKSPACE_ALIGN)};
+    mx_tensor ws_view;
+    PyObject *workspace = mx_new_tensor(st, MX_U8, 1, ws_shape, x->device_type, x->device_id,
+                                        &ws_view);
+    if (!workspace)
+        goto error;
+    char *ws = (char *)(((uintptr_t)ws_view.data + WORKSPACE_ALIGN - 1) &
+                        ~(uintptr_t)(WORKSPACE_ALIGN - 1));
+
+    device_scope scope;
+    if (enter_device(st, x, &scope) < 0)
+        goto error;
+    mx_status status = {MX_OK, ""};
+    if (routed_here) {
+        mx_routing_problem rp;
+        float *weights = (float *)ws;
+        int32_t *ids = (int32_t *)(ws + align_up(pairs * 4));
+        fill_routing_problem(&rp, ra, logits, bias, weights, ids);
+        status = route_on(x, &rp, scope.stream);
+        p.topk_weights = weights;
+        p.topk_ids = ids;
+    } else {
+        p.topk_weights = topk_weights->data;
+        p.topk_ids = topk_ids->data;
+    }
+    if (status.code == MX_OK)
+        status = experts_on(x, &p, ws + routing_bytes, scope.stream);
+    leave_device(&scope);
+    Py_DECREF(workspace); /* stream-ordered reuse in torch's caching allocator */
+    workspace = NULL;
+    if (status.code != MX_OK) {
+        mx_raise_status(&status);
+        goto error;
+    }
+    return out;
+error:
+    Py_XDECREF(workspace);
+    Py_DECREF(out);
+    return NULL;
+}

@@ -1,0 +1,156 @@
+/* Kernel ABI of moe_ext: plain C structs shared by the Python glue (the C files in csrc/),
+ * the CPU engine (csrc/cpu/) and the CUDA engine (csrc/cuda/).
+ *
+ * No Python.h and no CUDA headers here. Every engine entry point returns an
+ * mx_status; a non-MX_OK code carries a message that the glue turns into a
+ * Python exception (MX_ERR_VALUE -> ValueError, MX_ERR_TYPE -> TypeError,
+ * MX_ERR_NOT_IMPLEMENTED -> NotImplementedError, others -> RuntimeError).
+ * Engines never abort and never print.
+ *
+ * Pointers in the problem structs point to contiguous row-major storage; the
+ * glue has checked shapes, dtypes, devices and contiguity before calling. */
+#ifndef MOE_EXT_ABI_H
+#define MOE_EXT_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mx_code {
+    MX_OK = 0,
+    MX_ERR_VALUE = 1,
+    MX_ERR_TYPE = 2,
+    MX_ERR_NOT_IMPLEMENTED = 3,
+    MX_ERR_CUDA = 4,
+    MX_ERR_MEMORY = 5,
+} mx_code;
+
+typedef struct mx_status {
+    mx_code code;
+    char message[256];
+} mx_status;
+
+typedef enum mx_dtype {
+    MX_F32 = 0,
+    MX_F16 = 1,
+    MX_BF16 = 2,
+    MX_F64 = 3,
+    MX_I32 = 4,
+    MX_I64 = 5,
+    MX_U8 = 6,
+    MX_I8 = 7,
+    MX_F8E4M3 = 8, /* float8_e4m3fn */
+    MX_BOOL = 9,
+} mx_dtype;
+
+typedef enum mx_device_type {
+    MX_CPU = 0,
+    MX_CUDA = 1,
+} mx_device_type;
+
+#define MX_MAX_DIMS 6
+
+/* A strided view (shape and strides in elements), as the glue imported it. */
+typedef struct mx_tensor {
+    void *data;
+    mx_dtype dtype;
+    mx_device_type device_type;
+    int device_id;
+    int ndim;
+    int64_t shape[MX_MAX_DIMS];
+    int64_t strides[MX_MAX_DIMS];
+} mx_tensor;
+
+typedef enum mx_scoring {
+    MX_SCORING_SOFTMAX = 0,
+    MX_SCORING_SIGMOID = 1,
+} mx_scoring;
+
+typedef enum mx_activation {
+    MX_ACT_SILU = 0,
+    MX_ACT_GELU = 1,      /* erf form */
+    MX_ACT_SWIGLUOAI = 2, /* GPT-OSS; gate/up rows interleaved; gated only */
+    MX_ACT_RELU2 = 3,     /* relu(h)^2; non-gated only */
+} mx_activation;
+
+/* Top-k routing (numerics.md "Routing"): all math in float32, ties go to the
+ * lower expert index. */
+typedef struct mx_routing_problem {
+    int64_t num_tokens;        /* M (>= 1) */
+    int64_t num_experts;       /* E */
+    int top_k;                 /* 1 <= k <= E */
+    mx_scoring scoring;
+    int renormalize;
+    int num_expert_group;      /* 0: not grouped; else E % groups == 0 */
+    int topk_group;            /* groups kept when grouped */
+    float routed_scaling_factor;
+    mx_dtype logits_dtype;     /* F32 | F16 | BF16 */
+    const void *router_logits; /* [M, E] */
+    mx_dtype bias_dtype;       /* F32 | F16 | BF16 */
+    const void *correction_bias; /* [E] or NULL */
+    float *topk_weights;       /* out [M, k] */
+    int32_t *topk_ids;         /* out [M, k] */
+} mx_routing_problem;
+
+/* The expert computation (numerics.md "Experts"):
+ *   for each token t and slot j: e = topk_ids[t, j] (global id); with
+ *   expert_map, e = expert_map[e] and e == -1 contributes nothing;
+ *   h = x_t @ w13[e].T (+ w13_bias[e]); a = act(h) rounded to act_dtype;
+ *   y = a @ w2[e].T (+ w2_bias[e]); out_t = sum_j topk_weights[t, j] * y
+ *   (float32 sum in slot order, rounded once). With
+ *   apply_router_weight_on_input (top_k == 1), x_t is scaled by the weight
+ *   before the first GEMM instead. Every output row is written. */
+typedef struct mx_experts_problem {
+    int64_t num_tokens;          /* M (>= 1) */
+    int64_t hidden_size;         /* H */
+    int64_t intermediate_size;   /* I (per partition) */
+    int64_t num_local_experts;   /* rows of w13 / w2 */
+    int64_t global_num_experts;  /* valid topk_ids are [0, global_num_experts) */
+    int top_k;
+    mx_activation activation;
+    int is_act_and_mul;          /* 1: w13 has 2I rows (gate, up); 0: I rows */
+    float swiglu_alpha;
+    float swiglu_limit;
+    int apply_router_weight_on_input;
+    mx_dtype act_dtype;          /* dtype of x, w13, w2, biases, output */
+    const void *hidden_states;   /* [M, H] */
+    const void *w13;             /* [E_local, N1, H], N1 = 2I or I */
+    const void *w2;              /* [E_local, H, I] */
+    const void *w13_bias;        /* [E_local, N1] or NULL */
+    const void *w2_bias;         /* [E_local, H] or NULL */
+    const float *topk_weights;   /* [M, k] */
+    const int32_t *topk_ids;     /* [M, k] */
+    const int32_t *expert_map;   /* [global_num_experts] or NULL */
+    void *output;                /* [M, H] */
+} mx_experts_problem;
+
+/* ---- CPU engine (csrc/cpu/) ---------------------------------------------- */
+mx_status mx_cpu_route(const mx_routing_problem *p);
+/* Bytes of scratch mx_cpu_experts needs; the glue allocates it (64-byte aligned). */
+size_t mx_cpu_experts_workspace_bytes(const mx_experts_problem *p);
+/* Returns MX_ERR_VALUE naming the first out-of-range id in topk_ids. */
+mx_status mx_cpu_experts(const mx_experts_problem *p, void *workspace);
+/* dst = src elementwise over equal shapes, converting between F32/F16/BF16/F64
+ * (other dtypes only to themselves). Both on the CPU; any strides. */
+mx_status mx_cpu_copy(const mx_tensor *dst, const mx_tensor *src);
+
+/* ---- CUDA engine (csrc/cuda/), compiled only when MOE_EXT_WITH_CUDA ------ */
+/* stream is a cudaStream_t; nothing here synchronizes with the host. */
+int mx_cuda_device_count(void);
+/* Makes `device` current for this host thread and returns the one that was
+ * (csrc/cuda/device_guard.cu); the glue restores it after the call. */
+mx_status mx_cuda_swap_device(int device, int *previous);
+mx_status mx_cuda_route(const mx_routing_problem *p, void *stream);
+size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p);
+/* Out-of-range ids contribute nothing on the GPU (no host sync to report them). */
+mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *stream);
+mx_status mx_cuda_copy(const mx_tensor *dst, const mx_tensor *src, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EXT_ABI_H */

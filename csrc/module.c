@@ -1,0 +1,151 @@
+/* moe_ext._C: module definition, module state and the registration hook
+ * through which moe_ext/__init__.py hands over torch's tensor type.
+ *
+ * Python equivalent:
+ *     MoECore                      # csrc/moe_core.c
+ *     def route(...), experts(...), copy_(dst, src)   # csrc/functional.c
+ *     def register_torch(tensor_type, empty, stream): ...
+ *     def has_exchange_api() -> bool: ...
+ *     def cuda_device_count() -> int: ...   # 0 in a CPU-only build
+ *     built_with_cuda: bool
+ */
+#include "glue.h"
+
+static struct PyModuleDef module_def;
+
+mx_module_state *mx_state(PyObject *module)
+{
+    return (mx_module_state *)PyModule_GetState(module);
+}
+
+mx_module_state *mx_state_by_type(PyTypeObject *type)
+{
+    return mx_state(PyType_GetModule(type));
+}
+
+/* register_torch(tensor_type, empty, stream): the exchange table is looked up
+ * on tensor_type; empty(shape, dtype_name, device) and stream(device_index)
+ * serve producers without one. */
+static PyObject *register_torch(PyObject *module, PyObject *args)
+{
+    PyObject *tensor_type, *empty, *stream;
+    if (!PyArg_ParseTuple(args, "OOO", &tensor_type, &empty, &stream))
+        return NULL;
+    if (!PyType_Check(tensor_type)) {
+        PyErr_SetString(PyExc_TypeError, "tensor_type: expected a type");
+        return NULL;
+    }
+    mx_module_state *st = mx_state(module);
+    const DLPackExchangeAPI *api = NULL;
+    PyObject *capsule = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+    if (capsule) {
+        api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+        Py_DECREF(capsule);
+        if (!api)
+            return NULL;
+        if (api->header.version.major != 1 || !api->dltensor_from_py_object_no_sync)
+            api = NULL; /* an ABI we do not know: use the slow path */
+    } else {
+        PyErr_Clear();
+    }
+    Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->fallback_empty);
+    Py_CLEAR(st->fallback_stream);
+    st->tensor_type = Py_NewRef(tensor_type);
+    st->fallback_empty = Py_NewRef(empty);
+    st->fallback_stream = Py_NewRef(stream);
+    st->api = api;
+    Py_RETURN_NONE;
+}
+
+static PyObject *has_exchange_api(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    return PyBool_FromLong(mx_state(module)->api != NULL);
+}
+
+static PyObject *cuda_device_count(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+#ifdef MOE_EXT_WITH_CUDA
+    return PyLong_FromLong(mx_cuda_device_count());
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
+static PyMethodDef module_methods[] = {
+    {"register_torch", register_torch, METH_VARARGS,
+     "register_torch(tensor_type, empty, stream): hand over the tensor type and fallbacks."},
+    {"has_exchange_api", has_exchange_api, METH_NOARGS,
+     "Whether tensors come in through the DLPack C exchange API (else __dlpack__)."},
+    {"cuda_device_count", cuda_device_count, METH_NOARGS,
+     "Number of CUDA devices the CUDA engine sees (0 without CUDA)."},
+    {"route", (PyCFunction)(void (*)(void))mx_py_route, METH_VARARGS | METH_KEYWORDS,
+     "route(router_logits, top_k, ...) -> (topk_weights float32, topk_ids int32)."},
+    {"experts", (PyCFunction)(void (*)(void))mx_py_experts, METH_VARARGS | METH_KEYWORDS,
+     "experts(hidden_states, w13, w2, topk_weights, topk_ids, ...) -> output."},
+    {"copy_", (PyCFunction)(void (*)(void))mx_py_copy, METH_VARARGS | METH_KEYWORDS,
+     "copy_(dst, src): elementwise copy with dtype conversion on one device."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *module)
+{
+    if (mx_setup_core_type(module) < 0)
+        return -1;
+#ifdef MOE_EXT_WITH_CUDA
+    return PyModule_AddObjectRef(module, "built_with_cuda", Py_True);
+#else
+    return PyModule_AddObjectRef(module, "built_with_cuda", Py_False);
+#endif
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    mx_module_state *st = mx_state(module);
+    Py_VISIT(st->core_type);
+    Py_VISIT(st->tensor_type);
+    Py_VISIT(st->fallback_empty);
+    Py_VISIT(st->fallback_stream);
+    return 0;
+}
+
+static int module_clear(PyObject *module)
+{
+    mx_module_state *st = mx_state(module);
+    Py_CLEAR(st->core_type);
+    Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->fallback_empty);
+    Py_CLEAR(st->fallback_stream);
+    st->api = NULL;
+    return 0;
+}
+
+static void module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "moe_ext._C",
+    .m_doc = "moe_ext's C engine: FusedMoE dispatch over DLPack.",
+    .m_size = sizeof(mx_module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

@@ -1,0 +1,164 @@
+/* MoECore: the C type behind moe_ext.FusedMoE. It holds a layer's routing
+ * and expert configuration; forward() is the layer's one C call per step.
+ *
+ * Python equivalent:
+ *     class MoECore:
+ *         def __init__(self, top_k, activation="silu", is_act_and_mul=True,
+ *                      scoring_func="softmax", renormalize=True, num_expert_group=0,
+ *                      topk_group=0, routed_scaling_factor=1.0,
+ *                      apply_router_weight_on_input=False, swiglu_alpha=1.702,
+ *                      swiglu_limit=7.0, intermediate_size=0, global_num_experts=0): ...
+ *         def forward(self, x, router_logits, w13, w2, w13_bias, w2_bias,
+ *                     e_score_correction_bias, expert_map) -> out: ...
+ *         def forward_routed(self, x, topk_weights, topk_ids, w13, w2, w13_bias,
+ *                            w2_bias, expert_map) -> out: ...
+ */
+#include "glue.h"
+
+typedef struct {
+    PyObject_HEAD
+    mx_route_args route;
+    mx_experts_args experts;
+} MoECoreObject;
+
+static int core_init(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {
+        "top_k", "activation", "is_act_and_mul", "scoring_func", "renormalize",
+        "num_expert_group", "topk_group", "routed_scaling_factor",
+        "apply_router_weight_on_input", "swiglu_alpha", "swiglu_limit", "intermediate_size",
+        "global_num_experts", NULL,
+    };
+    MoECoreObject *core = (MoECoreObject *)self;
+    int top_k, is_act_and_mul = 1, renormalize = 1, groups = 0, topk_group = 0, on_input = 0;
+    float scaling = 1.0f, alpha = 1.702f, limit = 7.0f;
+    long long inter = 0, global = 0;
+    PyObject *activation = NULL, *scoring = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|UpUpiifpffLL", keywords, &top_k,
+                                     &activation, &is_act_and_mul, &scoring, &renormalize,
+                                     &groups, &topk_group, &scaling, &on_input, &alpha, &limit,
+                                     &inter, &global))
+        return -1;
+    core->experts.activation = MX_ACT_SILU;
+    core->route.scoring = MX_SCORING_SOFTMAX;
+    if ((activation && mx_parse_activation(activation, &core->experts.activation) < 0) ||
+        (scoring && mx_parse_scoring(scoring, &core->route.scoring) < 0))
+        return -1;
+    if (top_k < 1) {
+        PyErr_Format(PyExc_ValueError, "top_k: expected >= 1, got %d", top_k);
+        return -1;
+    }
+    core->route.top_k = top_k;
+    core->route.renormalize = renormalize;
+    core->route.num_expert_group = groups;
+    core->route.topk_group = topk_group;
+    core->route.routed_scaling_factor = scaling;
+    core->experts.is_act_and_mul = is_act_and_mul;
+    core->experts.apply_router_weight_on_input = on_input;
+    core->experts.swiglu_alpha = alpha;
+    core->experts.swiglu_limit = limit;
+    core->experts.intermediate_size = inter;
+    core->experts.global_num_experts = global;
+    return 0;
+}
+
+/* forward(x, router_logits, w13, w2, w13_bias, w2_bias, e_score_correction_bias, expert_map) */
+static PyObject *core_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {
+        "hidden_states", "router_logits", "w13", "w2", "w13_bias", "w2_bias",
+        "e_score_correction_bias", "expert_map",
+    };
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "MoECore.forward takes 8 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    MoECoreObject *core = (MoECoreObject *)self;
+    mx_module_state *st = mx_state_by_type(Py_TYPE(self));
+    mx_imports keep = {0};
+    mx_tensor v[8], none = {0};
+    PyObject *result = NULL;
+    for (int i = 0; i < 8; i++) {
+        int rc = i < 4 ? mx_import(st, &keep, args[i], names[i], &v[i])
+                       : mx_import_optional(st, &keep, args[i], names[i], &v[i]);
+        if (rc < 0)
+            goto done;
+    }
+    result = mx_run_moe(st, &core->route, &core->experts, &v[0], &v[1], &v[6], &none, &none,
+                        &v[2], &v[3], &v[4], &v[5], &v[7]);
+done:
+    mx_imports_release(&keep);
+    return result;
+}
+
+/* forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map) */
+static PyObject *core_forward_routed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {
+        "hidden_states", "topk_weights", "topk_ids", "w13", "w2", "w13_bias", "w2_bias",
+        "expert_map",
+    };
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "MoECore.forward_routed takes 8 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    MoECoreObject *core = (MoECoreObject *)self;
+    mx_module_state *st = mx_state_by_type(Py_TYPE(self));
+    mx_imports keep = {0};
+    mx_tensor v[8], none = {0};
+    PyObject *result = NULL;
+    for (int i = 0; i < 8; i++) {
+        int rc = i < 5 ? mx_import(st, &keep, args[i], names[i], &v[i])
+                       : mx_import_optional(st, &keep, args[i], names[i], &v[i]);
+        if (rc < 0)
+            goto done;
+    }
+    result = mx_run_moe(st, &core->route, &core->experts, &v[0], &none, &none, &v[1], &v[2],
+                        &v[3], &v[4], &v[5], &v[6], &v[7]);
+done:
+    mx_imports_release(&keep);
+    return result;
+}
+
+static PyMethodDef core_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))core_forward, METH_FASTCALL,
+     "forward(x, router_logits, w13, w2, w13_bias, w2_bias, e_score_correction_bias, "
+     "expert_map) -> output: routing and experts in one call."},
+    {"forward_routed", (PyCFunction)(void (*)(void))core_forward_routed, METH_FASTCALL,
+     "forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map) -> "
+     "output: the experts for routing computed elsewhere."},
+    {NULL, NULL, 0, NULL},
+};
+
+static void core_dealloc(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyType_Slot core_slots[] = {
+    {Py_tp_doc, "Configuration and dispatch of one FusedMoE layer (moe_ext._C)."},
+    {Py_tp_init, core_init},
+    {Py_tp_dealloc, core_dealloc},
+    {Py_tp_methods, core_methods},
+    {Py_tp_new, PyType_GenericNew},
+    {0, NULL},
+};
+
+static PyType_Spec core_spec = {
+    .name = "moe_ext._C.MoECore",
+    .basicsize = sizeof(MoECoreObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = core_slots,
+};
+
+int mx_setup_core_type(PyObject *module)
+{
+    PyObject *type = PyType_FromModuleAndSpec(module, &core_spec, NULL);
+    if (!type)
+        return -1;
+    mx_state(module)->core_type = (PyTypeObject *)type;
+    return PyModule_AddObjectRef(module, "MoECore", type);
+}
