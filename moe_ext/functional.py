@@ -19,7 +19,7 @@ def _cast_ids(topk_ids, indices_type):
 
 
 def _reject_quantization(**scales):
-    given = [name for name, value in scales.items() if value not in (None, False)]
+    given = [name for name, value in scales.items() if value is not None]
     if given:
         raise NotImplementedError(f"{', '.join(given)}: quantized fused_experts (FP8/INT8/WNA16) "
                                   "is not implemented yet; pass unquantized weights")

@@ -307,7 +307,9 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
 
 
 def _checked_custom_routing(topk_weights, topk_ids, num_tokens, num_experts):
-    """Validates a custom routing function's output (this check reads the ids)."""
+    """Validates a custom routing function's output. The id range is checked on the
+    CPU only: on a GPU that would be a host sync, and the CUDA engine instead lets
+    out-of-range ids contribute nothing."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype.is_floating_point or \
             topk_ids.dtype == torch.bool:
         raise TypeError("custom_routing_function: topk_ids must be an integer tensor")
@@ -316,7 +318,7 @@ def _checked_custom_routing(topk_weights, topk_ids, num_tokens, num_experts):
         raise ValueError("custom_routing_function: expected topk_weights and topk_ids of shape "
                          f"[{num_tokens}, k], got {tuple(topk_weights.shape)} and "
                          f"{tuple(topk_ids.shape)}")
-    if topk_ids.numel():
+    if topk_ids.numel() and not topk_ids.is_cuda:
         low, high = int(topk_ids.min()), int(topk_ids.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"custom_routing_function: topk_ids holds expert id "

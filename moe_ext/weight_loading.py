@@ -70,6 +70,8 @@ class ExpertWeightLoader:
         if not isinstance(loaded_weight, torch.Tensor):
             raise TypeError(f"loaded_weight: expected a torch.Tensor, got "
                             f"{type(loaded_weight).__name__}")
+        if loaded_weight.is_meta:
+            raise ValueError(f"loaded_weight: {weight_name} is a meta tensor and holds no data")
         done = True if return_success else None
         full_load = param.dim() > 1 and loaded_weight.dim() == param.dim()
         if not full_load:
@@ -90,8 +92,9 @@ class ExpertWeightLoader:
         if "input_scale" in weight_name:
             _copy(data[expert_id], loaded_weight.reshape(data[expert_id].shape), what)
         elif "g_idx" in weight_name:
+            # g_idx is one entry per input column: w2's is narrowed along its only dim.
             if shard_id == "w2":
-                self._load_w2(expert_data, shard_dim, loaded_weight, what)
+                self._load_w2(expert_data, int(full_load), loaded_weight, what)
             else:
                 _copy(expert_data, loaded_weight, what)
         elif "bias" in weight_name:

@@ -76,6 +76,17 @@ typedef enum mx_activation {
     MX_ACT_RELU2 = 3,     /* relu(h)^2; non-gated only */
 } mx_activation;
 
+/* Weight formats of the expert engine (numerics.md "FP8"). */
+typedef enum mx_quant {
+    MX_QUANT_NONE = 0,       /* weights in act_dtype */
+    MX_QUANT_FP8_TENSOR = 1, /* float8_e4m3fn weights, one scale per expert and matrix;
+                                activations quantized per tensor, dynamically */
+    MX_QUANT_FP8_BLOCK = 2,  /* float8_e4m3fn weights, one scale per 128x128 block;
+                                activations quantized per token and 128 columns */
+} mx_quant;
+
+#define MX_FP8_BLOCK 128
+
 /* Top-k routing (numerics.md "Routing"): all math in float32, ties go to the
  * lower expert index. */
 typedef struct mx_routing_problem {
@@ -125,7 +136,60 @@ typedef struct mx_experts_problem {
     const int32_t *topk_ids;     /* [M, k] */
     const int32_t *expert_map;   /* [global_num_experts] or NULL */
     void *output;                /* [M, H] */
+    /* FP8 w8a8. With quant != MX_QUANT_NONE, w13 and w2 hold float8_e4m3fn
+     * (biases stay in act_dtype) and the engine quantizes each GEMM's input
+     * dynamically: x (after apply_router_weight_on_input) for GEMM1, and the
+     * activation output (already rounded to act_dtype) for GEMM2, over the rows
+     * of local experts only. FP8_TENSOR: one scale over all those rows; FP8_BLOCK:
+     * per row and 128 columns (per_token_group_quant_fp8). GEMM output =
+     * (qa @ qw.T) * sa * sw, float32 accumulation; in the block case each 128-K
+     * slice's partial sum is scaled by sa[row, kb] * sw[nb, kb] before adding. */
+    mx_quant quant;
+    const float *w13_scale;      /* TENSOR [E_local]; BLOCK [E_local, ceil(N1/128), ceil(H/128)] */
+    const float *w2_scale;       /* TENSOR [E_local]; BLOCK [E_local, ceil(H/128), ceil(I/128)] */
 } mx_experts_problem;
+
+/* FP8 quantizers (numerics.md "FP8"); x in F32/F16/BF16, q float8_e4m3fn bytes,
+ * all contiguous. CPU and CUDA results agree bit for bit. */
+typedef enum mx_fp8_mode {
+    MX_FP8_PER_TENSOR = 0, /* x [batch, n]: scale[b] = max(amax/448, 1/(448*512)) unless
+                              scale_given; q = fp8(clamp(x * (1/scale), -448, 448)) */
+    MX_FP8_PER_BLOCK = 1,  /* x [batch, rows, cols]: blocks block_rows x block_cols (edge blocks
+                              partial); sf = max(amax, 1e-4)/448 (use_ue8m0: 2^ceil(log2 sf));
+                              q = fp8(x * (1/sf)); scale [batch, ceil(rows/br), ceil(cols/bc)] */
+    MX_FP8_PER_TOKEN_GROUP = 2, /* x [batch=1, rows, cols]: per row and block_cols columns,
+                                   s = max(amax, 1e-10)/448; q = fp8(clamp(x / s, -448, 448));
+                                   scale [rows, ceil(cols/block_cols)] */
+} mx_fp8_mode;
+
+typedef struct mx_fp8_quant_problem {
+    mx_fp8_mode mode;
+    mx_dtype dtype;
+    const void *x;
+    int64_t batch;        /* PER_TENSOR: number of slices; PER_BLOCK: matrices */
+    int64_t rows;         /* PER_TENSOR: 1 */
+    int64_t cols;         /* PER_TENSOR: elements per slice */
+    int block_rows;       /* PER_BLOCK */
+    int block_cols;       /* PER_BLOCK, PER_TOKEN_GROUP */
+    int use_ue8m0;        /* PER_BLOCK */
+    int scale_given;      /* PER_TENSOR: use scale[] as given (static) */
+    uint8_t *q;
+    float *scale;
+} mx_fp8_quant_problem;
+
+/* A dense FP8 w8a8 linear layer (moe_ext.Linear): out = x @ W.T (+ bias) with
+ * x quantized dynamically as in the expert engine (TENSOR: per tensor; BLOCK: per
+ * token and 128 columns). */
+typedef struct mx_fp8_linear_problem {
+    int64_t rows, in_features, out_features;
+    mx_quant quant;              /* FP8_TENSOR or FP8_BLOCK */
+    mx_dtype act_dtype;          /* x, bias and output */
+    const void *x;               /* [rows, in_features] */
+    const uint8_t *weight;       /* [out_features, in_features] float8_e4m3fn */
+    const float *weight_scale;   /* TENSOR [1]; BLOCK [ceil(out/128), ceil(in/128)] */
+    const void *bias;            /* [out_features] or NULL */
+    void *output;                /* [rows, out_features] */
+} mx_fp8_linear_problem;
 
 /* ---- CPU engine (csrc/cpu/) ---------------------------------------------- */
 mx_status mx_cpu_route(const mx_routing_problem *p);
@@ -136,6 +200,9 @@ mx_status mx_cpu_experts(const mx_experts_problem *p, void *workspace);
 /* dst = src elementwise over equal shapes, converting between F32/F16/BF16/F64
  * (other dtypes only to themselves). Both on the CPU; any strides. */
 mx_status mx_cpu_copy(const mx_tensor *dst, const mx_tensor *src);
+mx_status mx_cpu_fp8_quant(const mx_fp8_quant_problem *p);
+size_t mx_cpu_fp8_linear_workspace_bytes(const mx_fp8_linear_problem *p);
+mx_status mx_cpu_fp8_linear(const mx_fp8_linear_problem *p, void *workspace);
 
 /* ---- CUDA engine (csrc/cuda/), compiled only when MOE_EXT_WITH_CUDA ------ */
 /* stream is a cudaStream_t; nothing here synchronizes with the host. */
@@ -148,6 +215,9 @@ size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p);
 /* Out-of-range ids contribute nothing on the GPU (no host sync to report them). */
 mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *stream);
 mx_status mx_cuda_copy(const mx_tensor *dst, const mx_tensor *src, void *stream);
+mx_status mx_cuda_fp8_quant(const mx_fp8_quant_problem *p, void *stream);
+size_t mx_cuda_fp8_linear_workspace_bytes(const mx_fp8_linear_problem *p);
+mx_status mx_cuda_fp8_linear(const mx_fp8_linear_problem *p, void *workspace, void *stream);
 
 #ifdef __cplusplus
 }

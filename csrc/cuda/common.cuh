@@ -1,0 +1,171 @@
+/* Shared helpers of the CUDA engine (csrc/cuda/): status construction, the
+ * launch check, element conversions and the MoE activations.
+ *
+ * Everything here is static or a template in an unnamed namespace, so each
+ * translation unit gets private copies and only the mx_* entry points of the
+ * .cu files are exported. */
+#ifndef MOE_EXT_CUDA_COMMON_CUH
+#define MOE_EXT_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "moe_ext/abi.h"
+
+namespace {
+
+/* ---- status -------------------------------------------------------------- */
+
+inline mx_status mx_status_ok(void)
+{
+    mx_status s;
+    s.code = MX_OK;
+    s.message[0] = '\0';
+    return s;
+}
+
+inline mx_status mx_status_fail(mx_code code, const char *fmt, ...)
+{
+    mx_status s;
+    s.code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s.message, sizeof s.message, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+/* Call right after a launch: a launch error (bad configuration, too much
+ * shared memory) or an earlier asynchronous fault becomes MX_ERR_CUDA naming
+ * the kernel. */
+inline mx_status mx_check_launch(const char *kernel)
+{
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+        return mx_status_fail(MX_ERR_CUDA, "%s: %s", kernel, cudaGetErrorString(err));
+    return mx_status_ok();
+}
+
+inline mx_status mx_check_call(cudaError_t err, const char *what)
+{
+    if (err != cudaSuccess) {
+        cudaGetLastError(); /* clear a non-sticky error so later checks start clean */
+        return mx_status_fail(MX_ERR_CUDA, "%s: %s", what, cudaGetErrorString(err));
+    }
+    return mx_status_ok();
+}
+
+inline const char *mx_dtype_name(mx_dtype dt)
+{
+    switch (dt) {
+    case MX_F32: return "float32";
+    case MX_F16: return "float16";
+    case MX_BF16: return "bfloat16";
+    case MX_F64: return "float64";
+    case MX_I32: return "int32";
+    case MX_I64: return "int64";
+    case MX_U8: return "uint8";
+    case MX_I8: return "int8";
+    case MX_F8E4M3: return "float8_e4m3fn";
+    case MX_BOOL: return "bool";
+    }
+    return "unknown";
+}
+
+inline int64_t mx_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* ---- elements ------------------------------------------------------------ */
+
+template <typename T> __device__ __forceinline__ float mx_to_float(T v);
+template <> __device__ __forceinline__ float mx_to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float mx_to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float mx_to_float<__nv_bfloat16>(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
+
+template <typename T> __device__ __forceinline__ T mx_from_float(float v);
+template <> __device__ __forceinline__ float mx_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half mx_from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 mx_from_float<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+
+/* Two values rounded to a 16-bit dtype, packed low-then-high (one 4-byte store). */
+template <typename T> __device__ __forceinline__ uint32_t mx_pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t mx_pack2<__nv_bfloat16>(float lo, float hi)
+{
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+template <> __device__ __forceinline__ uint32_t mx_pack2<__half>(float lo, float hi)
+{
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+/* Element i of a float32/float16/bfloat16 array whose dtype is known only at
+ * run time (routing logits, correction bias). */
+__device__ __forceinline__ float mx_load_float(const void *p, mx_dtype dt, int64_t i)
+{
+    switch (dt) {
+    case MX_F16: return __half2float(static_cast<const __half *>(p)[i]);
+    case MX_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+    }
+}
+
+/* ---- expert ids ------------------------------------------------------------ */
+
+/* Local expert of topk_ids[pair], or -1 when the id is out of range or the
+ * expert lives on another rank (expert_map entry -1 or out of range). */
+__device__ __forceinline__ int mx_local_expert(const int32_t *topk_ids, const int32_t *expert_map,
+                                               int64_t pair, int64_t global_experts,
+                                               int64_t local_experts)
+{
+    int64_t id = topk_ids[pair];
+    if (id < 0 || id >= global_experts)
+        return -1;
+    int64_t e = expert_map ? expert_map[id] : id;
+    return (e >= 0 && e < local_experts) ? static_cast<int>(e) : -1;
+}
+
+/* ---- activations (numerics.md "Experts"; float32 in and out) -------------- */
+
+__device__ __forceinline__ float mx_silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float mx_gelu_erf(float x)
+{
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
+
+/* act(gate) * up for the gated activations (silu, gelu, swigluoai). */
+__device__ __forceinline__ float mx_act_gated(int act, float gate, float up, float alpha, float limit)
+{
+    if (act == MX_ACT_SWIGLUOAI) {
+        float g = fminf(gate, limit);
+        float u = fminf(fmaxf(up, -limit), limit);
+        return (u + 1.0f) * g * (1.0f / (1.0f + expf(-alpha * g)));
+    }
+    return (act == MX_ACT_GELU ? mx_gelu_erf(gate) : mx_silu(gate)) * up;
+}
+
+/* act(h) for the non-gated activations (relu2, silu, gelu). */
+__device__ __forceinline__ float mx_act_plain(int act, float h)
+{
+    if (act == MX_ACT_RELU2) {
+        float r = fmaxf(h, 0.0f);
+        return r * r;
+    }
+    return act == MX_ACT_GELU ? mx_gelu_erf(h) : mx_silu(h);
+}
+
+} /* namespace */
+
+#endif /* MOE_EXT_CUDA_COMMON_CUH */

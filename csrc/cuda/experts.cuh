@@ -1,0 +1,100 @@
+/* Internal interface between the stages of the CUDA expert pipeline
+ * (experts.cu drives them; each stage lives in its own .cu file).
+ *
+ * Pipeline, all on one stream, no host synchronization, scratch only from
+ * the caller's workspace:
+ *   moe_align.cu        topk_ids -> per-local-expert segments of pair indices
+ *                        (pair = t * top_k + j), each padded to block_m rows
+ *                        with -1, plus a tile table (tile -> expert)
+ *   moe_scale_input.cu  apply_router_weight_on_input: x * w before GEMM1
+ *   grouped_gemm_*.cu   GEMM1 (gather + gate/up + activation) and GEMM2
+ *                        (down projection, routing weight; optionally split
+ *                        over K into separate float32 slices) over the tiles
+ *   moe_sum.cu          out[t] = sum over slots of the per-pair rows
+ * Names in this header are C symbols starting with mx_; nothing here is part
+ * of the public ABI (moe_ext/abi.h). */
+#ifndef MOE_EXT_CUDA_EXPERTS_CUH
+#define MOE_EXT_CUDA_EXPERTS_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "moe_ext/abi.h"
+
+/* What one grouped-GEMM launch computes per (tile row s, output column n). */
+typedef enum mx_gemm_kind {
+    MX_GEMM_GATE_UP = 0,             /* GEMM1, w13 rows [gate 0..I) [up I..2I); act(gate) * up */
+    MX_GEMM_GATE_UP_INTERLEAVED = 1, /* GEMM1, w13 rows 2i = gate i, 2i+1 = up i (swigluoai) */
+    MX_GEMM_UP = 2,                  /* GEMM1, non-gated: w13 has I rows; act(h) */
+    MX_GEMM_DOWN = 3,                /* GEMM2: act @ w2.T (+ bias), times the routing weight */
+} mx_gemm_kind;
+
+/* Arguments of a grouped GEMM launch. Rows of the problem are positions s in
+ * the sorted (expert-grouped, block_m-padded) order; tile mt covers rows
+ * [mt * block_m, (mt + 1) * block_m) and belongs to expert tile_expert[mt]. */
+typedef struct mx_gemm_args {
+    const void *a;                /* GEMM1: x [M, lda] gathered by token; GEMM2: act [rows, lda] by s */
+    int64_t lda;                  /* row stride of a, elements */
+    const void *w;                /* [E_local, n_rows, k] row-major (k contiguous) */
+    const void *bias;             /* [E_local, n_rows] or NULL */
+    int64_t n_rows;               /* weight rows per expert: 2I, I or H */
+    int64_t k;                    /* reduction length: H (GEMM1) or I (GEMM2) */
+    int64_t out_cols;             /* output columns: I (GEMM1) or H (GEMM2) */
+    const int32_t *sorted_ids;    /* [rows] pair index or -1 (padding) */
+    const int32_t *tile_expert;   /* [tiles] local expert of each tile */
+    const int32_t *num_tiles;     /* [1] tiles in use (device memory) */
+    const float *topk_weights;    /* [M, top_k]; GEMM2 epilogue */
+    int top_k;
+    int activation;               /* mx_activation */
+    float swiglu_alpha;
+    float swiglu_limit;
+    int scale_by_weight;          /* GEMM2: multiply by topk_weights[pair] */
+    void *out;                    /* GEMM1: act [rows, ldo] in act dtype; GEMM2: y [M*top_k, ldo] float32 */
+    int64_t ldo;
+    int m_tile_base;              /* first m tile of this launch (grids of more than 65535 rows);
+                                     set by the launchers */
+    int k_splits;                 /* GEMM2 split-K: grid z; split z covers k [z * k_split_len, ...) */
+    int64_t k_split_len;          /* multiple of 64 (the k tile), >= k when k_splits == 1 */
+    int64_t out_split_stride;     /* elements between the y slices of consecutive splits */
+} mx_gemm_args;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* moe_align.cu. counts/cursor: [local_experts] int32 scratch; sorted_ids:
+ * [rows_max]; tile_expert: [tiles_max]; num_tiles: [1]. */
+mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, int64_t pairs,
+                            int64_t global_experts, int64_t local_experts, int block_m, int32_t *counts,
+                            int32_t *cursor, int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
+                            cudaStream_t stream);
+
+/* moe_scale_input.cu: x_scaled[t] = x[t] * topk_weights[t, 0], both rounded to dtype. */
+mx_status mx_cuda_moe_scale_input(const void *x, const float *topk_weights, int64_t tokens, int64_t hidden,
+                                  int top_k, mx_dtype dtype, void *x_scaled, cudaStream_t stream);
+
+/* grouped_gemm_bf16.cu / grouped_gemm_fp16.cu (tensor cores) and
+ * grouped_gemm_f32.cu (SIMT). tile_config is an mx_tile_config
+ * (gemm_configs.cuh); m_tiles is the grid's worst-case tile count. aligned: a,
+ * w and their row strides allow 16-byte loads. */
+mx_status mx_cuda_grouped_gemm_bf16(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config, int aligned,
+                                    int64_t m_tiles, cudaStream_t stream);
+mx_status mx_cuda_grouped_gemm_fp16(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config, int aligned,
+                                    int64_t m_tiles, cudaStream_t stream);
+mx_status mx_cuda_grouped_gemm_f32(const mx_gemm_args *g, mx_gemm_kind kind, int64_t m_tiles,
+                                   cudaStream_t stream);
+
+/* moe_sum.cu: out[t] = sum_j sum_s y[s][t * top_k + j] over the slots with a
+ * local expert and the k_splits split-K slices s (split_stride elements
+ * apart), float32 in (slot, split) order, rounded once to dtype; zero rows
+ * for tokens without a local slot. */
+mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split_stride, const int32_t *topk_ids,
+                          const int32_t *expert_map, int64_t tokens, int top_k, int64_t hidden,
+                          int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
+                          cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EXT_CUDA_EXPERTS_CUH */

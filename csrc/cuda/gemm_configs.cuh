@@ -1,0 +1,110 @@
+/* Tile configurations of the grouped GEMMs (sm_80 .. sm_90), and the rule
+ * that picks one. Every compiled config is listed here with its reason.
+ *
+ * block_m is also the padding of the expert segments built by moe_align, so
+ * GEMM1 and GEMM2 of one forward use the same config. */
+#ifndef MOE_EXT_CUDA_GEMM_CONFIGS_CUH
+#define MOE_EXT_CUDA_GEMM_CONFIGS_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* kBlockK is 64 for all: one 128-byte row of 16-bit elements per tile row,
+ * eight 16-byte chunks, XOR-swizzled by (row % 8) so that ldmatrix and
+ * cp.async are free of bank conflicts. */
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS, int M_ON_X>
+struct mx_tile_shape {
+    static constexpr int kBlockM = BM;          /* rows (sorted pairs) per CTA */
+    static constexpr int kBlockN = BN;          /* weight rows per CTA (gate + up for gated GEMM1) */
+    static constexpr int kBlockK = 64;
+    static constexpr int kWarpsM = WARPS_M;
+    static constexpr int kWarpsN = WARPS_N;
+    static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+    static constexpr int kStages = STAGES;      /* cp.async pipeline depth */
+    static constexpr int kMinBlocks = MIN_BLOCKS; /* CTAs per SM we ask registers for */
+    static constexpr int kMOnX = M_ON_X;        /* 1: neighbouring CTAs share a weight slice */
+    static constexpr int kLdc = BN + 8;         /* float32 epilogue tile row; +8 keeps float2 stores conflict-free */
+    static constexpr size_t kPipeBytes = size_t(STAGES) * (BM + BN) * 64 * 2;
+    static constexpr size_t kEpilogueBytes = size_t(BM) * kLdc * 4;
+    static constexpr size_t kSmemBytes = kPipeBytes > kEpilogueBytes ? kPipeBytes : kEpilogueBytes;
+
+    static_assert(BM % (16 * WARPS_M) == 0, "each warp covers whole 16-row mma fragments");
+    static_assert(BN % (16 * WARPS_N) == 0, "each warp covers pairs of 8-column fragments (ldmatrix.x4)");
+    static_assert((BM * 8) % kThreads == 0 && (BN * 8) % kThreads == 0,
+                  "every thread loads the same number of 16-byte chunks per stage");
+    static_assert(BN % 2 == 0, "gated tiles hold BN/2 gate and BN/2 up rows");
+    static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit");
+};
+
+/* decode: few rows per expert. 16-row tiles waste little on padding; narrow
+ * 64-row weight slices give many CTAs, and 6 stages keep ~40 KB of weights
+ * in flight per CTA, so the weights stream at bandwidth; m tiles on grid x
+ * so the m tiles of one expert that share a weight slice run side by side
+ * and hit L2. 60 KB of shared memory, 3 CTAs per SM. */
+typedef mx_tile_shape<16, 64, 1, 4, 6, 3, 1> mx_tile_decode;
+/* mid: tens of rows per expert (prefill of a few hundred to a few thousand
+ * tokens over many experts): 64x128 tiles, 4 warps of 32x64, 72 KB, 3 CTAs/SM. */
+typedef mx_tile_shape<64, 128, 2, 2, 3, 3, 0> mx_tile_mid;
+/* large: hundreds of rows per expert: 128x128 tiles, 8 warps of 64x32,
+ * 96 KB, 2 CTAs/SM; n tiles on grid x so that the CTAs of one m tile run
+ * together and the gathered rows stay in L2. */
+typedef mx_tile_shape<128, 128, 2, 4, 3, 2, 0> mx_tile_large;
+
+enum mx_tile_config {
+    MX_TILE_DECODE = 0,
+    MX_TILE_MID = 1,
+    MX_TILE_LARGE = 2,
+};
+
+/* The SIMT float32 path's tile rows (grouped_gemm_f32.cu). */
+#define MX_F32_BLOCK_M 16
+
+static inline int mx_tile_block_m(int config)
+{
+    return config == MX_TILE_LARGE ? mx_tile_large::kBlockM
+         : config == MX_TILE_MID   ? mx_tile_mid::kBlockM
+                                   : mx_tile_decode::kBlockM;
+}
+
+/* Rule: the expected rows per local expert, pairs / E_local (routing is
+ * close to uniform), decides. Under 32 rows 16-row tiles (the layer is
+ * weight-bandwidth bound; on an H200, Mixtral at 16 rows/expert: 774 us
+ * against 808 us with 64-row tiles); under 96 rows 64x128 tiles (qwen3moe /
+ * gptoss at 64 / 32 rows: 542 / 1805 us against 1032 / 2949 us with 16-row
+ * and 590 / 2799 us with 128-row tiles); beyond, 128x128 tiles. 128x256 and
+ * 256x128 tiles (64x64 warp tiles, 1 CTA/SM) were measured too: within 6%
+ * of 128x128 for Mixtral, 10-20% slower for qwen3moe and gptoss at M=16384.
+ * (.cudatest figures of 2026-11-22, bf16.) */
+static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
+{
+    const int64_t e = local_experts > 0 ? local_experts : 1;
+    if (pairs < 32 * e)
+        return MX_TILE_DECODE;
+    if (pairs < 96 * e)
+        return MX_TILE_MID;
+    return MX_TILE_LARGE;
+}
+
+/* Split-K of GEMM2 (the down projection), decode config only: with few
+ * experts (Mixtral: 2 at M = 1) the grid has too few CTAs to keep enough
+ * loads in flight, so K is cut into slices, each CTA of a slice writing its
+ * own float32 partial (summed later by moe_sum). Add slices while the
+ * worst-case grid has under 200 CTAs, up to 4, each at least 8 k tiles.
+ * Returns the slice count; *split_len gets the slice length (a multiple of
+ * 64, so every slice is non-empty). */
+static inline int mx_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
+                                        int64_t *split_len)
+{
+    const int64_t k_tiles = (inter + 63) / 64;
+    int64_t splits = 1;
+    if (config == MX_TILE_DECODE) {
+        const int64_t ctas = m_tiles * ((hidden + mx_tile_decode::kBlockN - 1) / mx_tile_decode::kBlockN);
+        while (splits < 4 && ctas * splits < 200 && k_tiles / (splits + 1) >= 8)
+            ++splits;
+    }
+    const int64_t tiles_per_split = (k_tiles + splits - 1) / splits;
+    *split_len = tiles_per_split * 64;
+    return static_cast<int>((k_tiles + tiles_per_split - 1) / tiles_per_split);
+}
+
+#endif /* MOE_EXT_CUDA_GEMM_CONFIGS_CUH */

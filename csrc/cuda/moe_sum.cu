@@ -1,0 +1,112 @@
+/* The final reduction over the top-k slots: out[t] = sum_j y[t * k + j].
+ *
+ * Operands: y float32 [splits, M * k, H] row-major (row = pair index,
+ * written by GEMM2 already multiplied by the routing weight; splits > 1 when
+ * GEMM2 ran split-K, each slice a partial sum over K); out [M, H] in the
+ * activation dtype. Slots whose id has no local expert were never written and
+ * are skipped (their ids are re-derived from topk_ids / expert_map exactly as
+ * moe_align did). The sum runs in float32 in (slot, slice) order and is rounded once,
+ * so the result is deterministic; a token with no local slot gets a zero row.
+ *
+ * Grid: x = token, y = chunk of kChunk columns (H / 4 float4 columns when
+ * H % 4 == 0, else scalars); each block first marks its token's valid slots
+ * in shared memory (k bytes). */
+#include "common.cuh"
+#include "experts.cuh"
+
+namespace {
+
+constexpr int kSumThreads = 128;
+
+template <typename T> struct vec4_store;
+template <> struct vec4_store<float> {
+    static __device__ __forceinline__ void run(float *dst, float4 v) { *reinterpret_cast<float4 *>(dst) = v; }
+};
+template <typename T> struct vec4_store {
+    /* two packed pairs: one 8-byte store */
+    static __device__ __forceinline__ void run(T *dst, float4 v)
+    {
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(mx_pack2<T>(v.x, v.y), mx_pack2<T>(v.z, v.w));
+    }
+};
+
+template <typename T, bool kVec4>
+__global__ void __launch_bounds__(kSumThreads)
+    moe_sum_kernel(const float *__restrict__ y, int splits, int64_t split_stride, const int32_t *__restrict__ topk_ids,
+                   const int32_t *__restrict__ expert_map, int top_k, int64_t hidden, int64_t global_experts,
+                   int64_t local_experts, T *__restrict__ out)
+{
+    extern __shared__ unsigned char slot_valid[];
+    const int64_t t = blockIdx.x;
+    for (int j = threadIdx.x; j < top_k; j += kSumThreads)
+        slot_valid[j] = mx_local_expert(topk_ids, expert_map, t * top_k + j, global_experts, local_experts) >= 0;
+    __syncthreads();
+
+    const int64_t c = static_cast<int64_t>(blockIdx.y) * kSumThreads + threadIdx.x;
+    if (kVec4) {
+        if (c * 4 >= hidden)
+            return;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = 0; j < top_k; ++j) {
+            if (!slot_valid[j])
+                continue;
+            for (int s = 0; s < splits; ++s) {
+                const float4 v = *reinterpret_cast<const float4 *>(y + s * split_stride + (t * top_k + j) * hidden + c * 4);
+                acc.x += v.x;
+                acc.y += v.y;
+                acc.z += v.z;
+                acc.w += v.w;
+            }
+        }
+        vec4_store<T>::run(out + t * hidden + c * 4, acc);
+    } else {
+        if (c >= hidden)
+            return;
+        float acc = 0.f;
+        for (int j = 0; j < top_k; ++j)
+            if (slot_valid[j])
+                for (int s = 0; s < splits; ++s)
+                    acc += y[s * split_stride + (t * top_k + j) * hidden + c];
+        out[t * hidden + c] = mx_from_float<T>(acc);
+    }
+}
+
+template <typename T>
+mx_status launch(const float *y, int splits, int64_t split_stride, const int32_t *ids, const int32_t *map, int64_t tokens, int top_k,
+                 int64_t hidden, int64_t ge, int64_t le, void *out, cudaStream_t stream)
+{
+    const bool vec4 = hidden % 4 == 0 && reinterpret_cast<uintptr_t>(out) % (4 * sizeof(T)) == 0;
+    const int64_t cols = vec4 ? hidden / 4 : hidden;
+    const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(mx_ceil_div(cols, kSumThreads)));
+    if (vec4)
+        moe_sum_kernel<T, true><<<grid, kSumThreads, top_k, stream>>>(y, splits, split_stride, ids, map, top_k, hidden, ge, le,
+                                                                       static_cast<T *>(out));
+    else
+        moe_sum_kernel<T, false><<<grid, kSumThreads, top_k, stream>>>(y, splits, split_stride, ids, map, top_k, hidden, ge, le,
+                                                                        static_cast<T *>(out));
+    return mx_check_launch("moe_sum_kernel");
+}
+
+} /* namespace */
+
+extern "C" mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split_stride, const int32_t *topk_ids, const int32_t *expert_map,
+                                     int64_t tokens, int top_k, int64_t hidden, int64_t global_experts,
+                                     int64_t local_experts, mx_dtype dtype, void *out, cudaStream_t stream)
+{
+    if (tokens > 0x7fffffff || mx_ceil_div(hidden, kSumThreads) > 65535)
+        return mx_status_fail(MX_ERR_VALUE, "moe_sum: M=%lld, H=%lld exceed the grid", (long long)tokens,
+                              (long long)hidden);
+    switch (dtype) {
+    case MX_BF16:
+        return launch<__nv_bfloat16>(y, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden, global_experts,
+                                     local_experts, out, stream);
+    case MX_F16:
+        return launch<__half>(y, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden, global_experts, local_experts,
+                              out, stream);
+    case MX_F32:
+        return launch<float>(y, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden, global_experts, local_experts,
+                             out, stream);
+    default:
+        return mx_status_fail(MX_ERR_TYPE, "moe_sum: dtype %s", mx_dtype_name(dtype));
+    }
+}

@@ -1,0 +1,44 @@
+"""Input builders shared by the tests: random tensors from a generator, weights, loaded layers."""
+import torch
+
+import moe_ext
+
+
+def randn(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0):
+    """Normal random tensor drawn on the CPU from `gen` (same values on every device)."""
+    t = torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+    return t.to(dtype).to(device)
+
+
+def expert_weights(gen, num_experts, hidden, inter, gated=True, has_bias=False,
+                   dtype=torch.float32, device="cpu", scale=1.0):
+    """Layer-layout weights {w13_weight, w2_weight[, w13_bias, w2_bias]} with unit-ish outputs."""
+    rows = 2 * inter if gated else inter
+    w = {
+        "w13_weight": randn(gen, num_experts, rows, hidden, dtype=dtype, device=device,
+                            scale=scale / hidden ** 0.5),
+        "w2_weight": randn(gen, num_experts, hidden, inter, dtype=dtype, device=device,
+                           scale=1.0 / inter ** 0.5),
+    }
+    if has_bias:
+        w["w13_bias"] = randn(gen, num_experts, rows, dtype=dtype, device=device, scale=0.5)
+        w["w2_bias"] = randn(gen, num_experts, hidden, dtype=dtype, device=device, scale=0.5)
+    return w
+
+
+def make_layer(weights, **kwargs):
+    """A FusedMoE holding `weights` (copied in), after process_weights_after_loading()."""
+    layer = moe_ext.FusedMoE(**kwargs)
+    params = {n: p for n, p in layer.named_parameters() if not n.startswith("_shared_experts.")}
+    assert set(params) == set(weights), f"{sorted(params)} != {sorted(weights)}"
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def keep_rows(margin):
+    """Row mask of the tokens without routing near-ties (see reference.NEAR_TIE)."""
+    from reference import NEAR_TIE
+    return (margin >= NEAR_TIE).cpu()

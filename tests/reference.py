@@ -1,0 +1,192 @@
+"""Float64 reference of moe_ext numerics, from shared/spec/numerics.md alone (no moe_ext)."""
+import math
+
+import torch
+
+F64 = torch.float64
+
+# numerics.md "Tolerances": relative Frobenius error bound per layer dtype.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
+# Routing ids are compared only where the k-th and (k+1)-th scores differ by this much.
+NEAR_TIE = 1e-6
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref|| in float64; fails on NaN/Inf in either and on an all-zero ref."""
+    out = out.detach().to("cpu", F64)
+    ref = ref.detach().to("cpu", F64)
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), "NaN in the output"
+    assert torch.isfinite(out).all(), "Inf in the output"
+    assert torch.isfinite(ref).all(), "non-finite reference"
+    if ref.numel() == 0:
+        return 0.0
+    den = torch.linalg.vector_norm(ref)
+    assert den > 0, "all-zero reference: the test inputs are degenerate"
+    return float(torch.linalg.vector_norm(out - ref) / den)
+
+
+# ---------------------------------------------------------------- routing
+
+def scores(router_logits, scoring_func):
+    """Softmax or sigmoid of the logits, in float64."""
+    logits = router_logits.to(F64)
+    if scoring_func == "softmax":
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        ex = torch.exp(shifted)
+        return ex / ex.sum(dim=-1, keepdim=True)
+    if scoring_func == "sigmoid":
+        return 1.0 / (1.0 + torch.exp(-logits))
+    raise ValueError(scoring_func)
+
+
+def _topk_lower_index_first(values, k):
+    """Indices of the k largest values per row, ties to the lower index (stable sort)."""
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return order[:, :k]
+
+
+def _gap(sorted_desc, k):
+    """Per row: sorted[k-1] - sorted[k] (inf when there is no (k+1)-th or it is -inf)."""
+    m = sorted_desc.shape[0]
+    if sorted_desc.shape[1] <= k:
+        return torch.full((m,), math.inf, dtype=F64, device=sorted_desc.device)
+    a, b = sorted_desc[:, k - 1], sorted_desc[:, k]
+    gap = a - b
+    return torch.where(torch.isinf(b) & (b < 0), torch.full_like(gap, math.inf), gap)
+
+
+def route(router_logits, top_k, renormalize=True, scoring_func="softmax", num_expert_group=0,
+          topk_group=0, routed_scaling_factor=1.0, e_score_correction_bias=None):
+    """numerics.md "Routing" in float64.
+
+    Returns (topk_weights [M, k] f64, topk_ids [M, k] int64, margin [M] f64) where margin is the
+    smallest score gap that decides the chosen set (k-th vs (k+1)-th choice score and, when
+    grouped, the topk_group-th vs next group score); tokens with margin < NEAR_TIE are near-ties."""
+    s = scores(router_logits, scoring_func)
+    m, e = s.shape
+    choice = s.clone()
+    if e_score_correction_bias is not None:
+        choice = choice + e_score_correction_bias.to(device=s.device, dtype=F64)[None, :]
+    margin = torch.full((m,), math.inf, dtype=F64, device=s.device)
+    if num_expert_group:
+        groups = choice.view(m, num_expert_group, e // num_expert_group)
+        if e_score_correction_bias is not None:
+            group_score = groups.sort(dim=-1, descending=True).values[:, :, :2].sum(dim=-1)
+        else:
+            group_score = groups.max(dim=-1).values
+        kept = _topk_lower_index_first(group_score, topk_group)
+        margin = torch.minimum(margin, _gap(group_score.sort(dim=-1, descending=True).values,
+                                            topk_group))
+        keep = torch.zeros(m, num_expert_group, dtype=torch.bool, device=s.device)
+        keep.scatter_(1, kept, True)
+        keep = keep[:, :, None].expand(m, num_expert_group, e // num_expert_group).reshape(m, e)
+        choice = choice.masked_fill(~keep, -math.inf)
+    ids = _topk_lower_index_first(choice, top_k)
+    margin = torch.minimum(margin, _gap(choice.sort(dim=-1, descending=True).values, top_k))
+    weights = torch.gather(s, 1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * routed_scaling_factor
+    return weights, ids, margin
+
+
+def sorted_by_id(weights, ids):
+    """(weights, ids) with each row reordered by ascending id, to compare chosen sets."""
+    ids = ids.to(torch.int64)
+    order = ids.argsort(dim=-1)
+    return torch.gather(weights.to(F64), 1, order), torch.gather(ids, 1, order)
+
+
+# ---------------------------------------------------------------- experts
+
+def _silu(v):
+    return v / (1.0 + torch.exp(-v))
+
+
+def _gelu_erf(v):
+    return 0.5 * v * (1.0 + torch.erf(v / math.sqrt(2.0)))
+
+
+def activation_fn(h, activation, is_act_and_mul=True, swiglu_alpha=1.702, swiglu_limit=7.0):
+    """act(h) for h [..., N1]: gated (N1 = 2I) or non-gated (N1 = I); float64 in and out."""
+    if not is_act_and_mul:
+        if activation == "relu2":
+            return torch.clamp(h, min=0.0) ** 2
+        if activation == "silu":
+            return _silu(h)
+        if activation == "gelu":
+            return _gelu_erf(h)
+        raise ValueError(activation)
+    if activation == "swigluoai":
+        gate, up = h[..., 0::2], h[..., 1::2]
+        g = torch.clamp(gate, max=swiglu_limit)
+        u = torch.clamp(up, min=-swiglu_limit, max=swiglu_limit)
+        return (u + 1.0) * g * (1.0 / (1.0 + torch.exp(-swiglu_alpha * g)))
+    i = h.shape[-1] // 2
+    gate, up = h[..., :i], h[..., i:]
+    if activation == "silu":
+        return _silu(gate) * up
+    if activation == "gelu":
+        return _gelu_erf(gate) * up
+    raise ValueError(activation)
+
+
+def experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
+            is_act_and_mul=True, w13_bias=None, w2_bias=None, expert_map=None,
+            apply_router_weight_on_input=False, swiglu_alpha=1.702, swiglu_limit=7.0,
+            act_dtype=None):
+    """numerics.md "Experts" in float64 -> [M, H] float64.
+
+    w13 [E_local, N1, H] (N1 = 2I gated; gate/up interleaved for swigluoai), w2 [E_local, H, I];
+    topk_ids are global ids; expert_map [E_global] (global -> local, -1 elsewhere) or None.
+    act_dtype: when bf16/fp16, the activation output is rounded to it before the second GEMM."""
+    dev = hidden_states.device
+    x = hidden_states.to(F64)
+    w13, w2 = w13.to(dev), w2.to(dev)  # converted to float64 one expert at a time below
+    b13 = None if w13_bias is None else w13_bias.to(device=dev, dtype=F64)
+    b2 = None if w2_bias is None else w2_bias.to(device=dev, dtype=F64)
+    tw = topk_weights.to(device=dev, dtype=F64)
+    ids = topk_ids.to(device=dev, dtype=torch.int64)
+    m, hsize = x.shape
+    out = torch.zeros(m, hsize, dtype=F64, device=dev)
+    if m == 0:
+        return out
+    local = ids if expert_map is None else expert_map.to(device=dev, dtype=torch.int64)[ids]
+    for e in torch.unique(local).tolist():
+        if e < 0:
+            continue  # expert on another rank: contributes nothing here
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        w = tw[tok, slot][:, None]
+        xe = x[tok] * w if apply_router_weight_on_input else x[tok]
+        h = xe @ w13[e].to(F64).T
+        if b13 is not None:
+            h = h + b13[e]
+        a = activation_fn(h, activation, is_act_and_mul, swiglu_alpha, swiglu_limit)
+        if act_dtype in (torch.bfloat16, torch.float16):
+            a = a.to(act_dtype).to(F64)
+        y = a @ w2[e].to(F64).T
+        if b2 is not None:
+            y = y + b2[e]
+        if not apply_router_weight_on_input:
+            y = y * w
+        out.index_add_(0, tok, y)
+    return out
+
+
+def moe(hidden_states, router_logits, w13, w2, top_k, renormalize=True, scoring_func="softmax",
+        num_expert_group=0, topk_group=0, routed_scaling_factor=1.0,
+        e_score_correction_bias=None, **experts_kwargs):
+    """Routing then experts; returns (out [M, H] f64, margin [M]) so near-tie tokens can be
+    left out of a comparison."""
+    weights, ids, margin = route(router_logits, top_k, renormalize, scoring_func,
+                                 num_expert_group, topk_group, routed_scaling_factor,
+                                 e_score_correction_bias)
+    return experts(hidden_states, w13, w2, weights, ids, **experts_kwargs), margin
+
+
+def gated_w13(w1, w3, interleaved=False):
+    """[E, 2I, H] from gate w1 [E, I, H] and up w3 [E, I, H]: halves, or rows 2i / 2i+1."""
+    if interleaved:
+        return torch.stack([w1, w3], dim=2).reshape(w1.shape[0], 2 * w1.shape[1], *w1.shape[2:])
+    return torch.cat([w1, w3], dim=1)
