@@ -28,18 +28,16 @@ class MoEBlock(torch.nn.Module):
             prefix="model.layers.0.mlp.experts", device=device)
 
 
-def random_checkpoint(args, generator):
-    """Qwen-style per-expert tensors, random normal * 0.02 (never zeros)."""
-    def weight(*shape):
-        return torch.randn(*shape, generator=generator) * 0.02
-
-    checkpoint = {}
+def random_checkpoint(args, dtype, generator):
+    """Yields Qwen-style per-expert (name, tensor) pairs in the checkpoint dtype, random
+    normal * 0.02 (never zeros), one at a time as a checkpoint reader would."""
+    shapes = {"gate_proj": (args.intermediate, args.hidden),
+              "up_proj": (args.intermediate, args.hidden),
+              "down_proj": (args.hidden, args.intermediate)}
     for e in range(args.experts):
-        prefix = f"model.layers.0.mlp.experts.{e}."
-        checkpoint[prefix + "gate_proj.weight"] = weight(args.intermediate, args.hidden)
-        checkpoint[prefix + "up_proj.weight"] = weight(args.intermediate, args.hidden)
-        checkpoint[prefix + "down_proj.weight"] = weight(args.hidden, args.intermediate)
-    return checkpoint
+        for proj, shape in shapes.items():
+            tensor = (torch.randn(*shape, generator=generator) * 0.02).to(dtype)
+            yield f"experts.{e}.{proj}.weight", tensor
 
 
 def load_like_vllm(model, checkpoint, num_experts):
@@ -48,7 +46,7 @@ def load_like_vllm(model, checkpoint, num_experts):
         ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
         ckpt_up_proj_name="up_proj", num_experts=num_experts)
     params = dict(model.named_parameters())
-    for name, tensor in checkpoint.items():
+    for name, tensor in checkpoint:
         for param_name, weight_name, expert_id, shard_id in mapping:
             if weight_name in name:
                 target = name.replace(weight_name, param_name)
@@ -108,7 +106,7 @@ def main(argv=None):
 
     started = time.perf_counter()
     model = MoEBlock(args, dtype, device)
-    load_like_vllm(model, random_checkpoint(args, generator), args.experts)
+    load_like_vllm(model, random_checkpoint(args, dtype, generator), args.experts)
     load_s = time.perf_counter() - started
     layer = model.experts
     x = (torch.randn(args.tokens, args.hidden, generator=generator)).to(device, dtype)
