@@ -142,3 +142,21 @@ int mx_parse_scoring(PyObject *name, mx_scoring *out)
     PyErr_Format(PyExc_ValueError, "scoring_func: expected 'softmax' or 'sigmoid', got %R", name);
     return -1;
 }
+
+int mx_parse_quant(PyObject *name, mx_quant *out)
+{
+    static const struct { const char *name; mx_quant code; } table[] = {
+        {"none", MX_QUANT_NONE}, {"fp8_tensor", MX_QUANT_FP8_TENSOR},
+        {"fp8_block", MX_QUANT_FP8_BLOCK},
+    };
+    const char *text = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, NULL) : NULL;
+    for (size_t i = 0; text && i < sizeof table / sizeof table[0]; i++) {
+        if (strcmp(text, table[i].name) == 0) {
+            *out = table[i].code;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "quant: expected 'none', 'fp8_tensor' or 'fp8_block', got %R",
+                 name);
+    return -1;
+}

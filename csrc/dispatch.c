@@ -207,11 +207,47 @@ error:
 }
 
 /* Checks weights, biases and expert_map against x; fills the size fields of p. */
-static int check_expert_inputs(const mx_experts_args *a, const mx_tensor *x,
-                               const mx_tensor *w13, const mx_tensor *w2,
-                               const mx_tensor *w13_bias, const mx_tensor *w2_bias,
-                               const mx_tensor *expert_map, mx_experts_problem *p)
+static int64_t blocks_of(int64_t n)
 {
+    return (n + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK;
+}
+
+/* Checks the FP8 weight scales of an FP8 layer. */
+static int check_fp8_scales(const mx_experts_args *a, const mx_moe_views *v, int64_t experts,
+                            int64_t n1, int64_t hidden, int64_t inter)
+{
+    const char *names[2] = {"w13_scale", "w2_scale"};
+    const mx_tensor *scales[2] = {&v->w13_scale, &v->w2_scale};
+    int64_t tensor_shape[1] = {experts};
+    int64_t block_shapes[2][3] = {{experts, blocks_of(n1), blocks_of(hidden)},
+                                  {experts, blocks_of(hidden), blocks_of(inter)}};
+    for (int i = 0; i < 2; i++) {
+        if (!scales[i]->data) {
+            PyErr_Format(PyExc_ValueError, "%s: required for an FP8 layer", names[i]);
+            return -1;
+        }
+        int rc = a->quant == MX_QUANT_FP8_TENSOR
+                     ? mx_check_shape(scales[i], names[i], 1, tensor_shape)
+                     : mx_check_shape(scales[i], names[i], 3, block_shapes[i]);
+        if (rc < 0 || mx_check_dtype_is(scales[i], names[i], MX_F32) < 0 ||
+            mx_check_contiguous(scales[i], names[i]) < 0 ||
+            mx_check_same_device(scales[i], names[i], &v->x, "hidden_states") < 0)
+            return -1;
+    }
+    if (v->x.dtype == MX_F32) {
+        PyErr_SetString(PyExc_TypeError, "hidden_states: FP8 layers take float16 or bfloat16 "
+                        "activations, got float32");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_expert_inputs(const mx_experts_args *a, const mx_moe_views *v,
+                               mx_experts_problem *p)
+{
+    const mx_tensor *x = &v->x, *w13 = &v->w13, *w2 = &v->w2, *w13_bias = &v->w13_bias,
+                    *w2_bias = &v->w2_bias, *expert_map = &v->expert_map;
+    mx_dtype weight_dtype = a->quant == MX_QUANT_NONE ? x->dtype : MX_F8E4M3;
     const int64_t any2[2] = {-1, -1}, any3[3] = {-1, -1, -1};
     if (mx_check_dtype_in(x, "hidden_states", float_dtypes, 3) < 0 ||
         mx_check_shape(x, "hidden_states", 2, any2) < 0 ||
@@ -226,12 +262,14 @@ static int check_expert_inputs(const mx_experts_args *a, const mx_tensor *x,
     }
     int64_t n1 = a->is_act_and_mul ? 2 * inter : inter;
     const int64_t w13_want[3] = {experts, n1, hidden}, w2_want[3] = {experts, hidden, inter};
-    if (mx_check_dtype_is(w13, "w13", x->dtype) < 0 || mx_check_shape(w13, "w13", 3, w13_want) < 0 ||
-        mx_check_contiguous(w13, "w13") < 0 ||
+    if (mx_check_dtype_is(w13, "w13", weight_dtype) < 0 ||
+        mx_check_shape(w13, "w13", 3, w13_want) < 0 || mx_check_contiguous(w13, "w13") < 0 ||
         mx_check_same_device(w13, "w13", x, "hidden_states") < 0 ||
-        mx_check_dtype_is(w2, "w2", x->dtype) < 0 || mx_check_shape(w2, "w2", 3, w2_want) < 0 ||
+        mx_check_dtype_is(w2, "w2", weight_dtype) < 0 || mx_check_shape(w2, "w2", 3, w2_want) < 0 ||
         mx_check_contiguous(w2, "w2") < 0 ||
         mx_check_same_device(w2, "w2", x, "hidden_states") < 0)
+        return -1;
+    if (a->quant != MX_QUANT_NONE && check_fp8_scales(a, v, experts, n1, hidden, inter) < 0)
         return -1;
     if (w13_bias->data) {
         const int64_t want[2] = {experts, n1};
@@ -290,6 +328,9 @@ static int check_expert_inputs(const mx_experts_args *a, const mx_tensor *x,
     p->w13_bias = w13_bias->data;
     p->w2_bias = w2_bias->data;
     p->expert_map = expert_map->data;
+    p->quant = a->quant;
+    p->w13_scale = v->w13_scale.data;
+    p->w2_scale = v->w2_scale.data;
     return 0;
 }
 
@@ -313,13 +354,12 @@ static int check_topk(const mx_tensor *x, const mx_tensor *topk_weights, const m
 }
 
 PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_experts_args *ea,
-                     const mx_tensor *x, const mx_tensor *logits, const mx_tensor *bias,
-                     const mx_tensor *topk_weights, const mx_tensor *topk_ids,
-                     const mx_tensor *w13, const mx_tensor *w2, const mx_tensor *w13_bias,
-                     const mx_tensor *w2_bias, const mx_tensor *expert_map)
+                     const mx_moe_views *v)
 {
+    const mx_tensor *x = &v->x, *logits = &v->router_logits, *bias = &v->correction_bias,
+                    *topk_weights = &v->topk_weights, *topk_ids = &v->topk_ids;
     mx_experts_problem p;
-    if (check_expert_inputs(ea, x, w13, w2, w13_bias, w2_bias, expert_map, &p) < 0)
+    if (check_expert_inputs(ea, v, &p) < 0)
         return NULL;
     int routed_here = topk_ids->data == NULL;
     int top_k;
@@ -393,4 +433,19 @@ error:
     Py_XDECREF(workspace);
     Py_DECREF(out);
     return NULL;
+}
+
+int mx_import_views(mx_module_state *st, mx_imports *keep, PyObject *const *objs, int n,
+                    int required, const size_t *fields, const char *const *names,
+                    mx_moe_views *v)
+{
+    memset(v, 0, sizeof *v);
+    for (int i = 0; i < n; i++) {
+        mx_tensor *view = (mx_tensor *)((char *)v + fields[i]);
+        int rc = i < required ? mx_import(st, keep, objs[i], names[i], view)
+                              : mx_import_optional(st, keep, objs[i], names[i], view);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
 }

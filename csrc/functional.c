@@ -3,6 +3,8 @@
  * copy). moe_ext/functional.py and moe_ext/layer.py are their callers. */
 #include "glue.h"
 
+#include <stddef.h>
+
 /* route(router_logits, top_k, scoring_func="softmax", renormalize=True,
  *       num_expert_group=0, topk_group=0, routed_scaling_factor=1.0,
  *       e_score_correction_bias=None) -> (topk_weights, topk_ids) */
@@ -37,44 +39,51 @@ done:
 /* experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
  *         is_act_and_mul=True, w13_bias=None, w2_bias=None, expert_map=None,
  *         global_num_experts=-1, apply_router_weight_on_input=False,
- *         swiglu_alpha=1.702, swiglu_limit=7.0) -> output */
+ *         swiglu_alpha=1.702, swiglu_limit=7.0, quant="none", w13_scale=None,
+ *         w2_scale=None) -> output */
 PyObject *mx_py_experts(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {
         "hidden_states", "w13", "w2", "topk_weights", "topk_ids", "activation",
         "is_act_and_mul", "w13_bias", "w2_bias", "expert_map", "global_num_experts",
-        "apply_router_weight_on_input", "swiglu_alpha", "swiglu_limit", NULL,
+        "apply_router_weight_on_input", "swiglu_alpha", "swiglu_limit", "quant", "w13_scale",
+        "w2_scale", NULL,
     };
-    PyObject *objs[5], *activation = NULL;
-    PyObject *w13_bias_obj = Py_None, *w2_bias_obj = Py_None, *map_obj = Py_None;
+    static const char *const names[] = {
+        "hidden_states", "w13", "w2", "topk_weights", "topk_ids", "w13_bias", "w2_bias",
+        "expert_map", "w13_scale", "w2_scale",
+    };
+    static const size_t fields[] = {
+        offsetof(mx_moe_views, x), offsetof(mx_moe_views, w13), offsetof(mx_moe_views, w2),
+        offsetof(mx_moe_views, topk_weights), offsetof(mx_moe_views, topk_ids),
+        offsetof(mx_moe_views, w13_bias), offsetof(mx_moe_views, w2_bias),
+        offsetof(mx_moe_views, expert_map), offsetof(mx_moe_views, w13_scale),
+        offsetof(mx_moe_views, w2_scale),
+    };
+    PyObject *objs[10] = {NULL}, *activation = NULL, *quant = NULL;
     long long global = -1;
     mx_experts_args a = {.is_act_and_mul = 1, .swiglu_alpha = 1.702f, .swiglu_limit = 7.0f};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|UpOOOLpff", keywords, &objs[0],
+    for (int i = 5; i < 10; i++)
+        objs[i] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|UpOOOLpffUOO", keywords, &objs[0],
                                      &objs[1], &objs[2], &objs[3], &objs[4], &activation,
-                                     &a.is_act_and_mul, &w13_bias_obj, &w2_bias_obj, &map_obj,
-                                     &global, &a.apply_router_weight_on_input, &a.swiglu_alpha,
-                                     &a.swiglu_limit))
+                                     &a.is_act_and_mul, &objs[5], &objs[6], &objs[7], &global,
+                                     &a.apply_router_weight_on_input, &a.swiglu_alpha,
+                                     &a.swiglu_limit, &quant, &objs[8], &objs[9]))
         return NULL;
     a.global_num_experts = global;
     a.activation = MX_ACT_SILU;
-    if (activation && mx_parse_activation(activation, &a.activation) < 0)
+    a.quant = MX_QUANT_NONE;
+    if ((activation && mx_parse_activation(activation, &a.activation) < 0) ||
+        (quant && mx_parse_quant(quant, &a.quant) < 0))
         return NULL;
-    static const char *const names[] = {"hidden_states", "w13", "w2", "topk_weights", "topk_ids"};
     mx_module_state *st = mx_state(module);
     mx_imports keep = {0};
-    mx_tensor v[5], w13_bias, w2_bias, expert_map, none = {0};
+    mx_moe_views v;
     mx_route_args unused = {0};
     PyObject *result = NULL;
-    for (int i = 0; i < 5; i++)
-        if (mx_import(st, &keep, objs[i], names[i], &v[i]) < 0)
-            goto done;
-    if (mx_import_optional(st, &keep, w13_bias_obj, "w13_bias", &w13_bias) < 0 ||
-        mx_import_optional(st, &keep, w2_bias_obj, "w2_bias", &w2_bias) < 0 ||
-        mx_import_optional(st, &keep, map_obj, "expert_map", &expert_map) < 0)
-        goto done;
-    result = mx_run_moe(st, &unused, &a, &v[0], &none, &none, &v[3], &v[4], &v[1], &v[2],
-                        &w13_bias, &w2_bias, &expert_map);
-done:
+    if (mx_import_views(st, &keep, objs, 10, 5, fields, names, &v) == 0)
+        result = mx_run_moe(st, &unused, &a, &v);
     mx_imports_release(&keep);
     return result;
 }

@@ -12,6 +12,7 @@
 /* Everything the module holds, reached through mx_state(module). */
 typedef struct mx_module_state {
     PyTypeObject *core_type;        /* MoECore */
+    PyTypeObject *fp8_method_types[4]; /* csrc/fp8_methods.c, in its table order */
     PyObject *tensor_type;          /* torch.Tensor, set by mx_register_torch() */
     const DLPackExchangeAPI *api;   /* the tensor type's exchange table, or NULL */
     PyObject *fallback_empty;       /* (shape, dtype_name, device_str) -> tensor */
@@ -68,6 +69,9 @@ int mx_setup_core_type(PyObject *module);
 PyObject *mx_py_route(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *mx_py_experts(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *mx_py_copy(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *mx_py_fp8_quant(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *mx_py_fp8_linear(PyObject *module, PyObject *args);
+
 
 /* The shared engine calls behind MoECore and the functional API. Views are
  * already imported; these check them, allocate outputs and dispatch to the
@@ -89,18 +93,38 @@ typedef struct mx_experts_args {
     float swiglu_alpha;
     float swiglu_limit;
     int apply_router_weight_on_input;
+    mx_quant quant;
 } mx_experts_args;
+
+/* The tensors of one forward; a view with data == NULL is absent. */
+typedef struct mx_moe_views {
+    mx_tensor x;               /* hidden_states [M, H] */
+    mx_tensor router_logits;   /* [M, E], absent when topk_ids is given */
+    mx_tensor correction_bias; /* e_score_correction_bias [E] */
+    mx_tensor topk_weights;    /* [M, k] float32, with topk_ids */
+    mx_tensor topk_ids;        /* [M, k] int32: routing done elsewhere */
+    mx_tensor w13, w2, w13_bias, w2_bias;
+    mx_tensor w13_scale, w2_scale; /* FP8 only */
+    mx_tensor expert_map;
+} mx_moe_views;
 
 /* Returns a tuple (topk_weights, topk_ids). */
 PyObject *mx_run_route(mx_module_state *st, const mx_route_args *a, const mx_tensor *logits,
                        const mx_tensor *bias);
-/* Routing then experts in one call; returns the output tensor. topk_weights /
- * topk_ids given (data != NULL) skip routing. */
+/* Routing then experts in one call; returns the output tensor. topk_ids given
+ * (data != NULL) skips routing. */
 PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_experts_args *ea,
-                     const mx_tensor *x, const mx_tensor *logits, const mx_tensor *bias,
-                     const mx_tensor *topk_weights, const mx_tensor *topk_ids,
-                     const mx_tensor *w13, const mx_tensor *w2, const mx_tensor *w13_bias,
-                     const mx_tensor *w2_bias, const mx_tensor *expert_map);
+                     const mx_moe_views *v);
+/* Imports `objs[i]` into the view fields named by `fields` (offsets into
+ * mx_moe_views); the first `required` must be tensors, the rest may be None. */
+int mx_import_views(mx_module_state *st, mx_imports *keep, PyObject *const *objs, int n,
+                    int required, const size_t *fields, const char *const *names,
+                    mx_moe_views *v);
+int mx_parse_quant(PyObject *name, mx_quant *out);
+
+/* Runs a MoECore (csrc/moe_core.c) on imported views; NULL => error set. */
+PyObject *mx_core_run(mx_module_state *st, PyObject *core, const mx_moe_views *v);
+int mx_setup_fp8_method_types(PyObject *module);
 
 int mx_parse_activation(PyObject *name, mx_activation *out);
 int mx_parse_scoring(PyObject *name, mx_scoring *out);

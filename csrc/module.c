@@ -3,6 +3,9 @@
  *
  * Python equivalent:
  *     MoECore                      # csrc/moe_core.c
+ *     Fp8PerTensorOnlineMoEMethod, Fp8PerBlockOnlineMoEMethod,
+ *     Fp8PerTensorOnlineLinearMethod, Fp8PerBlockOnlineLinearMethod  # csrc/fp8_methods.c
+ *     def fp8_quant(...), fp8_linear(...)                           # csrc/quant.c
  *     def route(...), experts(...), copy_(dst, src)   # csrc/functional.c
  *     def register_torch(tensor_type, empty, stream): ...
  *     def has_exchange_api() -> bool: ...
@@ -23,13 +26,15 @@ mx_module_state *mx_state_by_type(PyTypeObject *type)
     return mx_state(PyType_GetModule(type));
 }
 
-/* register_torch(tensor_type, empty, stream): the exchange table is looked up
- * on tensor_type; empty(shape, dtype_name, device) and stream(device_index)
- * serve producers without one. */
+/* register_torch(tensor_type, empty, stream, exchange_api=True): the exchange
+ * table is looked up on tensor_type (unless exchange_api is false: then every
+ * tensor takes the __dlpack__ path); empty(shape, dtype_name, device) and
+ * stream(device_index) serve producers without one. */
 static PyObject *register_torch(PyObject *module, PyObject *args)
 {
     PyObject *tensor_type, *empty, *stream;
-    if (!PyArg_ParseTuple(args, "OOO", &tensor_type, &empty, &stream))
+    int use_api = 1;
+    if (!PyArg_ParseTuple(args, "OOO|p", &tensor_type, &empty, &stream, &use_api))
         return NULL;
     if (!PyType_Check(tensor_type)) {
         PyErr_SetString(PyExc_TypeError, "tensor_type: expected a type");
@@ -37,7 +42,8 @@ static PyObject *register_torch(PyObject *module, PyObject *args)
     }
     mx_module_state *st = mx_state(module);
     const DLPackExchangeAPI *api = NULL;
-    PyObject *capsule = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+    PyObject *capsule = use_api ? PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__")
+                                : NULL;
     if (capsule) {
         api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
         Py_DECREF(capsule);
@@ -45,7 +51,7 @@ static PyObject *register_torch(PyObject *module, PyObject *args)
             return NULL;
         if (api->header.version.major != 1 || !api->dltensor_from_py_object_no_sync)
             api = NULL; /* an ABI we do not know: use the slow path */
-    } else {
+    } else if (use_api) {
         PyErr_Clear();
     }
     Py_CLEAR(st->tensor_type);
@@ -77,7 +83,8 @@ static PyObject *cuda_device_count(PyObject *module, PyObject *unused)
 
 static PyMethodDef module_methods[] = {
     {"register_torch", register_torch, METH_VARARGS,
-     "register_torch(tensor_type, empty, stream): hand over the tensor type and fallbacks."},
+     "register_torch(tensor_type, empty, stream, exchange_api=True): hand over the tensor "
+     "type and the fallbacks (exchange_api=False forces the __dlpack__ path)."},
     {"has_exchange_api", has_exchange_api, METH_NOARGS,
      "Whether tensors come in through the DLPack C exchange API (else __dlpack__)."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
@@ -88,12 +95,17 @@ static PyMethodDef module_methods[] = {
      "experts(hidden_states, w13, w2, topk_weights, topk_ids, ...) -> output."},
     {"copy_", (PyCFunction)(void (*)(void))mx_py_copy, METH_VARARGS | METH_KEYWORDS,
      "copy_(dst, src): elementwise copy with dtype conversion on one device."},
+    {"fp8_quant", (PyCFunction)(void (*)(void))mx_py_fp8_quant, METH_VARARGS | METH_KEYWORDS,
+     "fp8_quant(x, out, scale, mode, block_rows=128, block_cols=128, use_ue8m0=False, "
+     "scale_given=False): FP8 quantization into out/scale (mode 0 tensor, 1 block, 2 group)."},
+    {"fp8_linear", mx_py_fp8_linear, METH_VARARGS,
+     "fp8_linear(x, weight, weight_scale, bias, quant) -> x @ weight.T (+ bias), w8a8."},
     {NULL, NULL, 0, NULL},
 };
 
 static int module_exec(PyObject *module)
 {
-    if (mx_setup_core_type(module) < 0)
+    if (mx_setup_core_type(module) < 0 || mx_setup_fp8_method_types(module) < 0)
         return -1;
 #ifdef MOE_EXT_WITH_CUDA
     return PyModule_AddObjectRef(module, "built_with_cuda", Py_True);
@@ -106,6 +118,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
 {
     mx_module_state *st = mx_state(module);
     Py_VISIT(st->core_type);
+    for (int i = 0; i < 4; i++)
+        Py_VISIT(st->fp8_method_types[i]);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->fallback_empty);
     Py_VISIT(st->fallback_stream);
@@ -116,6 +130,8 @@ static int module_clear(PyObject *module)
 {
     mx_module_state *st = mx_state(module);
     Py_CLEAR(st->core_type);
+    for (int i = 0; i < 4; i++)
+        Py_CLEAR(st->fp8_method_types[i]);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->fallback_empty);
     Py_CLEAR(st->fallback_stream);

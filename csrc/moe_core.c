@@ -7,13 +7,16 @@
  *                      scoring_func="softmax", renormalize=True, num_expert_group=0,
  *                      topk_group=0, routed_scaling_factor=1.0,
  *                      apply_router_weight_on_input=False, swiglu_alpha=1.702,
- *                      swiglu_limit=7.0, intermediate_size=0, global_num_experts=0): ...
- *         def forward(self, x, router_logits, w13, w2, w13_bias, w2_bias,
- *                     e_score_correction_bias, expert_map) -> out: ...
+ *                      swiglu_limit=7.0, intermediate_size=0, global_num_experts=0,
+ *                      quant="none"): ...   # or "fp8_tensor" | "fp8_block"
+ *         def forward(self, x, router_logits, w13, w2, w13_bias, w2_bias, w13_scale,
+ *                     w2_scale, e_score_correction_bias, expert_map) -> out: ...
  *         def forward_routed(self, x, topk_weights, topk_ids, w13, w2, w13_bias,
- *                            w2_bias, expert_map) -> out: ...
+ *                            w2_bias, w13_scale, w2_scale, expert_map) -> out: ...
  */
 #include "glue.h"
+
+#include <stddef.h>
 
 typedef struct {
     PyObject_HEAD
@@ -27,22 +30,24 @@ static int core_init(PyObject *self, PyObject *args, PyObject *kwargs)
         "top_k", "activation", "is_act_and_mul", "scoring_func", "renormalize",
         "num_expert_group", "topk_group", "routed_scaling_factor",
         "apply_router_weight_on_input", "swiglu_alpha", "swiglu_limit", "intermediate_size",
-        "global_num_experts", NULL,
+        "global_num_experts", "quant", NULL,
     };
     MoECoreObject *core = (MoECoreObject *)self;
     int top_k, is_act_and_mul = 1, renormalize = 1, groups = 0, topk_group = 0, on_input = 0;
     float scaling = 1.0f, alpha = 1.702f, limit = 7.0f;
     long long inter = 0, global = 0;
-    PyObject *activation = NULL, *scoring = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|UpUpiifpffLL", keywords, &top_k,
+    PyObject *activation = NULL, *scoring = NULL, *quant = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i|UpUpiifpffLLU", keywords, &top_k,
                                      &activation, &is_act_and_mul, &scoring, &renormalize,
                                      &groups, &topk_group, &scaling, &on_input, &alpha, &limit,
-                                     &inter, &global))
+                                     &inter, &global, &quant))
         return -1;
     core->experts.activation = MX_ACT_SILU;
     core->route.scoring = MX_SCORING_SOFTMAX;
+    core->experts.quant = MX_QUANT_NONE;
     if ((activation && mx_parse_activation(activation, &core->experts.activation) < 0) ||
-        (scoring && mx_parse_scoring(scoring, &core->route.scoring) < 0))
+        (scoring && mx_parse_scoring(scoring, &core->route.scoring) < 0) ||
+        (quant && mx_parse_quant(quant, &core->experts.quant) < 0))
         return -1;
     if (top_k < 1) {
         PyErr_Format(PyExc_ValueError, "top_k: expected >= 1, got %d", top_k);
@@ -62,71 +67,80 @@ static int core_init(PyObject *self, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
-/* forward(x, router_logits, w13, w2, w13_bias, w2_bias, e_score_correction_bias, expert_map) */
+#define VIEW(field) offsetof(mx_moe_views, field)
+
+/* forward(x, router_logits, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale,
+ *         e_score_correction_bias, expert_map) */
 static PyObject *core_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[] = {
-        "hidden_states", "router_logits", "w13", "w2", "w13_bias", "w2_bias",
-        "e_score_correction_bias", "expert_map",
+        "hidden_states", "router_logits", "w13", "w2", "w13_bias", "w2_bias", "w13_scale",
+        "w2_scale", "e_score_correction_bias", "expert_map",
     };
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "MoECore.forward takes 8 arguments (%zd given)", nargs);
+    static const size_t fields[] = {
+        VIEW(x), VIEW(router_logits), VIEW(w13), VIEW(w2), VIEW(w13_bias), VIEW(w2_bias),
+        VIEW(w13_scale), VIEW(w2_scale), VIEW(correction_bias), VIEW(expert_map),
+    };
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "MoECore.forward takes 10 arguments (%zd given)", nargs);
         return NULL;
     }
     MoECoreObject *core = (MoECoreObject *)self;
     mx_module_state *st = mx_state_by_type(Py_TYPE(self));
     mx_imports keep = {0};
-    mx_tensor v[8], none = {0};
+    mx_moe_views v;
     PyObject *result = NULL;
-    for (int i = 0; i < 8; i++) {
-        int rc = i < 4 ? mx_import(st, &keep, args[i], names[i], &v[i])
-                       : mx_import_optional(st, &keep, args[i], names[i], &v[i]);
-        if (rc < 0)
-            goto done;
-    }
-    result = mx_run_moe(st, &core->route, &core->experts, &v[0], &v[1], &v[6], &none, &none,
-                        &v[2], &v[3], &v[4], &v[5], &v[7]);
-done:
+    if (mx_import_views(st, &keep, args, 10, 4, fields, names, &v) == 0)
+        result = mx_run_moe(st, &core->route, &core->experts, &v);
     mx_imports_release(&keep);
     return result;
 }
 
-/* forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map) */
+/* forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, w13_scale,
+ *                w2_scale, expert_map) */
 static PyObject *core_forward_routed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[] = {
         "hidden_states", "topk_weights", "topk_ids", "w13", "w2", "w13_bias", "w2_bias",
-        "expert_map",
+        "w13_scale", "w2_scale", "expert_map",
     };
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "MoECore.forward_routed takes 8 arguments (%zd given)", nargs);
+    static const size_t fields[] = {
+        VIEW(x), VIEW(topk_weights), VIEW(topk_ids), VIEW(w13), VIEW(w2), VIEW(w13_bias),
+        VIEW(w2_bias), VIEW(w13_scale), VIEW(w2_scale), VIEW(expert_map),
+    };
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "MoECore.forward_routed takes 10 arguments (%zd given)",
+                     nargs);
         return NULL;
     }
     MoECoreObject *core = (MoECoreObject *)self;
     mx_module_state *st = mx_state_by_type(Py_TYPE(self));
     mx_imports keep = {0};
-    mx_tensor v[8], none = {0};
+    mx_moe_views v;
     PyObject *result = NULL;
-    for (int i = 0; i < 8; i++) {
-        int rc = i < 5 ? mx_import(st, &keep, args[i], names[i], &v[i])
-                       : mx_import_optional(st, &keep, args[i], names[i], &v[i]);
-        if (rc < 0)
-            goto done;
-    }
-    result = mx_run_moe(st, &core->route, &core->experts, &v[0], &none, &none, &v[1], &v[2],
-                        &v[3], &v[4], &v[5], &v[6], &v[7]);
-done:
+    if (mx_import_views(st, &keep, args, 10, 5, fields, names, &v) == 0)
+        result = mx_run_moe(st, &core->route, &core->experts, &v);
     mx_imports_release(&keep);
     return result;
 }
 
+PyObject *mx_core_run(mx_module_state *st, PyObject *core, const mx_moe_views *v)
+{
+    if (!PyObject_TypeCheck(core, st->core_type)) {
+        PyErr_SetString(PyExc_TypeError, "layer._core: expected a moe_ext._C.MoECore");
+        return NULL;
+    }
+    MoECoreObject *c = (MoECoreObject *)core;
+    return mx_run_moe(st, &c->route, &c->experts, v);
+}
+
 static PyMethodDef core_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))core_forward, METH_FASTCALL,
-     "forward(x, router_logits, w13, w2, w13_bias, w2_bias, e_score_correction_bias, "
-     "expert_map) -> output: routing and experts in one call."},
+     "forward(x, router_logits, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale, "
+     "e_score_correction_bias, expert_map) -> output: routing and experts in one call."},
     {"forward_routed", (PyCFunction)(void (*)(void))core_forward_routed, METH_FASTCALL,
-     "forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map) -> "
-     "output: the experts for routing computed elsewhere."},
+     "forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, w13_scale, "
+     "w2_scale, expert_map) -> output: the experts for routing computed elsewhere."},
     {NULL, NULL, 0, NULL},
 };
 

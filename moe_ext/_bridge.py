@@ -22,5 +22,7 @@ def _stream(device_index):
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def register():
-    _C.register_torch(torch.Tensor, _empty, _stream)
+def register(exchange_api=True):
+    """Hands torch over to the C module; exchange_api=False forces the slower
+    `__dlpack__` path (older torch, and tests of that path)."""
+    _C.register_torch(torch.Tensor, _empty, _stream, exchange_api)

@@ -3,7 +3,7 @@ C engine (moe_ext._C.MoECore). The module owns the parameters (so state_dict()
 works) and vLLM's loading logic; every forward is one C call."""
 import torch
 
-from . import _C
+from . import _C, fp8_online
 from .expert_map import PLACEMENT_STRATEGIES, determine_expert_map, local_expert_ids
 from .weight_loading import ExpertWeightLoader
 
@@ -77,7 +77,7 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
                  routed_input_transform=None, *, tp_rank=None, ep_rank=None, device=None,
                  expert_placement_strategy="linear", swiglu_alpha=1.702, swiglu_limit=7.0):
         super().__init__()
-        _reject_unsupported(quant_config=quant_config, dp_size=dp_size, pcp_size=pcp_size,
+        _reject_unsupported(dp_size=dp_size, pcp_size=pcp_size,
                             enable_eplb=enable_eplb, num_redundant_experts=num_redundant_experts,
                             is_sequence_parallel=is_sequence_parallel, gate=gate,
                             routed_input_transform=routed_input_transform)
@@ -131,6 +131,13 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
 
         self.register_buffer("_expert_map", None)
         self.update_expert_map()
+        self.quant_config = quant_config
+        if quant_config is not None and not hasattr(quant_config, "get_quant_method"):
+            raise NotImplementedError(f"quant_config: {type(quant_config).__name__} is not a "
+                                      "supported quantization config (use Fp8OnlineConfig)")
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = method if method is not None else UnquantizedFusedMoEMethod()
+        quant = getattr(self.quant_method, "block_quant", None)
         self._core = _C.MoECore(
             top_k, activation=activation, is_act_and_mul=is_act_and_mul,
             scoring_func=scoring_func, renormalize=renormalize,
@@ -140,8 +147,10 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
             apply_router_weight_on_input=apply_router_weight_on_input,
             swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
             intermediate_size=self.intermediate_size_per_partition,
-            global_num_experts=self.global_num_experts)
-        self.quant_method = UnquantizedFusedMoEMethod()
+            global_num_experts=self.global_num_experts,
+            quant="none" if quant is None else ("fp8_block" if quant else "fp8_tensor"))
+        self._fp8_scale_names = (None, None)
+        self._fp8_ready = True
         self.quant_method.create_weights(
             layer=self, num_experts=self.local_num_experts, hidden_size=hidden_size,
             intermediate_size_per_partition=self.intermediate_size_per_partition,
@@ -191,10 +200,15 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
     def forward(self, hidden_states, router_logits):
         """[M, H] hidden states and [M, E] router logits -> [M, H] in hidden_states.dtype;
         (shared_out, routed_out) when the layer has shared_experts."""
+        if not self._fp8_ready:
+            raise RuntimeError(f"FusedMoE {self.layer_name!r}: the FP8 weights are not fully "
+                               "loaded yet")
         if self.custom_routing_function is None:
             p = self._parameters
+            w13_scale, w2_scale = self._fp8_scale_names
             out = self._core.forward(hidden_states, router_logits, p["w13_weight"],
                                      p["w2_weight"], p.get("w13_bias"), p.get("w2_bias"),
+                                     p.get(w13_scale), p.get(w2_scale),
                                      self.e_score_correction_bias, self._expert_map)
         else:
             topk_weights, topk_ids = self.select_experts(
@@ -209,9 +223,10 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
     def forward_routed(self, hidden_states, topk_weights, topk_ids):
         """The experts for routing computed elsewhere (float32 weights, int32 ids)."""
         p = self._parameters
+        w13_scale, w2_scale = self._fp8_scale_names
         return self._core.forward_routed(hidden_states, topk_weights, topk_ids, p["w13_weight"],
                                          p["w2_weight"], p.get("w13_bias"), p.get("w2_bias"),
-                                         self._expert_map)
+                                         p.get(w13_scale), p.get(w2_scale), self._expert_map)
 
     @staticmethod
     def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
@@ -241,6 +256,17 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
         if indices_type is not None:
             topk_ids = topk_ids.to(indices_type)
         return topk_weights, topk_ids
+
+    def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id,
+                      return_success=False):
+        """vLLM's FusedMoE.weight_loader: copies one checkpoint tensor into its slice of
+        `param` (online FP8 layers quantize each expert as soon as it is complete).
+        Returns False (with return_success=True) for experts on other EP ranks."""
+        if getattr(self.quant_method, "uses_meta_device", False):
+            return fp8_online.moe_weight_loader(self, param, loaded_weight, weight_name,
+                                                shard_id, expert_id, return_success)
+        return self.load_full_precision(param, loaded_weight, weight_name, shard_id, expert_id,
+                                        return_success)
 
     def process_weights_after_loading(self):
         """Idempotent: hands the loaded weights to the quant method."""
@@ -333,7 +359,6 @@ def _reject_unsupported(**features):
         if value is None or value in defaults.get(name, (None,)):
             continue
         what = {
-            "quant_config": "quantized FusedMoE (online FP8 / WNA16) is not implemented yet",
             "dp_size": "data parallelism across ranks (dp_size > 1) is not supported",
             "pcp_size": "prefill context parallelism (pcp_size > 1) is not supported",
             "enable_eplb": "the expert-parallel load balancer is not supported",

@@ -14,7 +14,7 @@ SHARD_DIM = {"w1": 0, "w2": 1, "w3": 0}
 SCALE_KINDS = ("tensor", "channel", "group", "block")
 
 
-def _copy(dst, src, what):
+def copy_checked(dst, src, what):
     """dst <- src (C copy, dtype conversion included) after a shape check."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"loaded_weight: expected shape {tuple(dst.shape)} for {what}, got "
@@ -25,6 +25,9 @@ def _copy(dst, src, what):
 
 
 def _narrow(tensor, dim, start, length, what):
+    if tensor.dim() <= dim:
+        raise ValueError(f"loaded_weight: {what} needs at least {dim + 1} dimensions, got shape "
+                         f"{tuple(tensor.shape)}")
     if tensor.shape[dim] < start + length:
         raise ValueError(f"loaded_weight: {what} needs rows [{start}, {start + length}) of "
                          f"dimension {dim}, but its shape is {tuple(tensor.shape)}")
@@ -32,7 +35,8 @@ def _narrow(tensor, dim, start, length, what):
 
 
 class ExpertWeightLoader:
-    """weight_loader / load helpers; expects FusedMoE's attributes."""
+    """The full-precision loader and the slicing rules it shares with the online
+    FP8 loader (moe_ext/fp8_online.py); expects FusedMoE's attributes."""
 
     def _to_local_expert(self, expert_id):
         if self._expert_map is None:
@@ -59,12 +63,7 @@ class ExpertWeightLoader:
                            device=loaded_weight.device)
         return loaded_weight.index_select(0, ids)
 
-    def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id,
-                      return_success=False):
-        """Copies one checkpoint tensor into its slice of `param` (vLLM semantics).
-
-        Returns False (with return_success=True) and copies nothing when the expert is
-        not on this expert-parallel rank; None / True otherwise."""
+    def _check_shard(self, shard_id, loaded_weight, weight_name):
         if shard_id not in SHARD_IDS:
             raise ValueError(f"shard_id must be ['w1','w2','w3'] but got {shard_id}.")
         if not isinstance(loaded_weight, torch.Tensor):
@@ -72,6 +71,18 @@ class ExpertWeightLoader:
                             f"{type(loaded_weight).__name__}")
         if loaded_weight.is_meta:
             raise ValueError(f"loaded_weight: {weight_name} is a meta tensor and holds no data")
+
+    def _narrow_shard(self, loaded_weight, dim, shard_size, what):
+        """This tensor-parallel rank's `shard_size` rows of `dim`."""
+        return _narrow(loaded_weight, dim, shard_size * self.tp_rank, shard_size, what)
+
+    def load_full_precision(self, param, loaded_weight, weight_name, shard_id, expert_id,
+                            return_success=False):
+        """Copies one checkpoint tensor into its slice of `param` (vLLM semantics).
+
+        Returns False (with return_success=True) and copies nothing when the expert is
+        not on this expert-parallel rank; None / True otherwise."""
+        self._check_shard(shard_id, loaded_weight, weight_name)
         done = True if return_success else None
         full_load = param.dim() > 1 and loaded_weight.dim() == param.dim()
         if not full_load:
@@ -90,25 +101,25 @@ class ExpertWeightLoader:
         what = f"{weight_name} (shard {shard_id}, expert {expert_id})"
 
         if "input_scale" in weight_name:
-            _copy(data[expert_id], loaded_weight.reshape(data[expert_id].shape), what)
+            copy_checked(data[expert_id], loaded_weight.reshape(data[expert_id].shape), what)
         elif "g_idx" in weight_name:
             # g_idx is one entry per input column: w2's is narrowed along its only dim.
             if shard_id == "w2":
                 self._load_w2(expert_data, int(full_load), loaded_weight, what)
             else:
-                _copy(expert_data, loaded_weight, what)
+                copy_checked(expert_data, loaded_weight, what)
         elif "bias" in weight_name:
             self._load_bias(expert_data, shard_id, loaded_weight, weight_name, what)
         elif "w13_weight_scale" in weight_name and loaded_weight.dim() > 1 and \
                 loaded_weight.shape[-2] == data.shape[-2] * self.tp_size:
             shard = expert_data.shape[shard_dim]
-            _copy(expert_data, _narrow(loaded_weight, shard_dim, shard * self.tp_rank, shard,
-                                       what), what)
+            copy_checked(expert_data, self._narrow_shard(loaded_weight, shard_dim, shard, what),
+                         what)
         elif "scale" in weight_name or "zero" in weight_name or "offset" in weight_name:
             self._load_scale(param, expert_data, expert_id, shard_id, shard_dim, loaded_weight,
                              what)
         elif "weight_shape" in weight_name:
-            _copy(data[expert_id], loaded_weight.reshape(data[expert_id].shape), what)
+            copy_checked(data[expert_id], loaded_weight.reshape(data[expert_id].shape), what)
         elif "weight" in weight_name:
             self._load_weight_rows(expert_data, shard_id, shard_dim, loaded_weight, what)
         else:
@@ -141,16 +152,14 @@ class ExpertWeightLoader:
     def _load_w13(self, expert_data, shard_id, shard_dim, loaded_weight, what, load_full=False):
         dst, shard_size = self._w13_slot(expert_data, shard_id, shard_dim)
         if not load_full and loaded_weight.dim() > 0:
-            loaded_weight = _narrow(loaded_weight, shard_dim, shard_size * self.tp_rank,
-                                    shard_size, what)
-        _copy(dst, loaded_weight, what)
+            loaded_weight = self._narrow_shard(loaded_weight, shard_dim, shard_size, what)
+        copy_checked(dst, loaded_weight, what)
 
     def _load_w2(self, expert_data, shard_dim, loaded_weight, what, load_full=False):
         shard_size = expert_data.shape[shard_dim]
         if not load_full and loaded_weight.dim() > 0:
-            loaded_weight = _narrow(loaded_weight, shard_dim, shard_size * self.tp_rank,
-                                    shard_size, what)
-        _copy(expert_data, loaded_weight, what)
+            loaded_weight = self._narrow_shard(loaded_weight, shard_dim, shard_size, what)
+        copy_checked(expert_data, loaded_weight, what)
 
     def _load_bias(self, expert_data, shard_id, loaded_weight, weight_name, what):
         if "w13_bias" in weight_name and shard_id in ("w1", "w3"):
@@ -158,9 +167,9 @@ class ExpertWeightLoader:
         elif "w2_bias" in weight_name and shard_id == "w2":
             # Row-parallel bias: added once, by tensor-parallel rank 0.
             if self.tp_rank == 0:
-                _copy(expert_data, loaded_weight, what)
+                copy_checked(expert_data, loaded_weight, what)
             else:
-                _copy(expert_data, torch.zeros_like(expert_data), what)
+                copy_checked(expert_data, torch.zeros_like(expert_data), what)
         else:
             raise ValueError(f"weight_name: {weight_name!r} with shard_id {shard_id!r} is not a "
                              "bias the loader knows (w13_bias with w1/w3, w2_bias with w2)")
@@ -170,7 +179,7 @@ class ExpertWeightLoader:
         kind = getattr(param, "quant_method", None)
         if kind == "channel":
             if shard_id == "w2":
-                _copy(expert_data, loaded_weight, what)
+                copy_checked(expert_data, loaded_weight, what)
             else:
                 self._load_w13(expert_data, shard_id, shard_dim, loaded_weight, what)
         elif kind in ("group", "block"):
@@ -180,7 +189,7 @@ class ExpertWeightLoader:
             target = param.data[expert_id]
             if shard_id in ("w1", "w3") and target.dim() > 0:
                 target = target[0 if shard_id == "w1" else 1]
-            _copy(target, loaded_weight.reshape(target.shape), what)
+            copy_checked(target, loaded_weight.reshape(target.shape), what)
         else:
             raise ValueError(f"quant method must be one of {list(SCALE_KINDS)} (param."
                              f"quant_method of {what}), got {kind!r}")

@@ -190,3 +190,158 @@ def gated_w13(w1, w3, interleaved=False):
     if interleaved:
         return torch.stack([w1, w3], dim=2).reshape(w1.shape[0], 2 * w1.shape[1], *w1.shape[2:])
     return torch.cat([w1, w3], dim=1)
+
+
+# ---------------------------------------------------------------- FP8 (numerics.md "FP8")
+# Torch renderings of the quantizer formulas, every step in float32 in the order numerics.md
+# writes it; moe_ext's quantizers must match them bit for bit.
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _pad_last(t, multiple, dim_from_end=1):
+    """t zero-padded at the end of dimension -dim_from_end to a multiple of `multiple`."""
+    size = t.shape[-dim_from_end]
+    extra = -size % multiple
+    if not extra:
+        return t
+    pad = [0, 0] * (dim_from_end - 1) + [0, extra]
+    return torch.nn.functional.pad(t, pad)
+
+
+def fp8_quant_tensor(x, scale=None):
+    """Per tensor: scale = max(amax/448, 1/(448*512)) (or `scale` as given),
+    q = fp8(clamp(x * (1/scale), -448, 448)) in float32. Returns (q, scale float32 [1])."""
+    xf = x.detach().to(torch.float32)
+    if scale is None:
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=xf.device)
+        floor = torch.tensor(1.0 / (448.0 * 512.0), dtype=torch.float32, device=xf.device)
+        scale = torch.maximum(amax / FP8_MAX, floor)
+    scale = scale.detach().to(device=xf.device, dtype=torch.float32).reshape(())
+    q = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.reshape(1)
+
+
+def fp8_quant_block(x, block=(128, 128), use_ue8m0=False):
+    """Per block over the last two dims, padded to multiples of the block:
+    sf = max(amax, 1e-4)/448 (use_ue8m0: 2^ceil(log2 sf), exact through frexp),
+    q = fp8(x * (1/sf)) in float32. Returns (q, sf [..., ceil(R/br), ceil(C/bc)])."""
+    br, bc = block
+    xf = x.detach().to(torch.float32)
+    *lead, rows, cols = xf.shape
+    padded = _pad_last(_pad_last(xf, bc, 1), br, 2)
+    nr, nc = padded.shape[-2] // br, padded.shape[-1] // bc
+    blocks = padded.reshape(*lead, nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    sf = amax.clamp(min=1e-4) / FP8_MAX
+    if use_ue8m0:
+        mant, expo = torch.frexp(sf)  # sf = mant * 2^expo, mant in [0.5, 1)
+        sf = torch.where(mant == 0.5, sf, torch.ldexp(torch.ones_like(sf), expo))
+    inv = 1.0 / sf
+    q = (blocks * inv[..., :, None, :, None]).to(FP8)
+    q = q.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols]
+    return q.contiguous(), sf
+
+
+def fp8_quant_group(x, group_size=128):
+    """Per row and `group_size` columns: s = max(amax, 1e-10)/448,
+    q = fp8(clamp(x / s, -448, 448)) in float32. Returns (q, s [..., ceil(C/group)])."""
+    xf = x.detach().to(torch.float32)
+    *lead, cols = xf.shape
+    padded = _pad_last(xf, group_size, 1)
+    groups = padded.reshape(*lead, padded.shape[-1] // group_size, group_size)
+    s = groups.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    q = (groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = q.reshape(*lead, padded.shape[-1])[..., :cols]
+    return q.contiguous(), s
+
+
+def fp8_dequant_tensor(q, scale):
+    """float64 q * scale (scale: one value, or [E] for a stacked [E, ...] q)."""
+    s = scale.detach().to(device=q.device, dtype=F64)
+    if s.numel() > 1:
+        s = s.reshape(-1, *([1] * (q.dim() - 1)))
+    else:
+        s = s.reshape(())
+    return q.to(F64) * s
+
+
+def fp8_dequant_block(q, sf, block=(128, 128)):
+    """float64 q * sf with each block's scale spread over its (cropped) block."""
+    br, bc = block
+    rows, cols = q.shape[-2:]
+    full = sf.detach().to(device=q.device, dtype=F64)
+    full = full.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :rows, :cols]
+    return q.to(F64) * full
+
+
+def fake_quant_tensor(x):
+    """x through per-tensor FP8 and back, float64."""
+    q, s = fp8_quant_tensor(x)
+    return fp8_dequant_tensor(q, s)
+
+
+def fake_quant_group(x, group_size=128):
+    """x through per-token-group FP8 and back, float64."""
+    q, s = fp8_quant_group(x, group_size)
+    full = s.to(F64).repeat_interleave(group_size, dim=-1)[..., :x.shape[-1]]
+    return q.to(F64) * full
+
+
+def fp8_experts(hidden_states, w13, w2, topk_weights, topk_ids, block, activation="silu",
+                is_act_and_mul=True, w13_bias=None, w2_bias=None, expert_map=None,
+                swiglu_alpha=1.702, swiglu_limit=7.0, act_dtype=torch.bfloat16):
+    """numerics.md "Experts" + "FP8" w8a8 in float64 -> [M, H] float64.
+
+    w13 / w2: the dequantized FP8 weights (any float dtype), [E_local, N1, H] / [E_local, H, I].
+    GEMM1 input: x fake-quantized per tensor (block=False) with one scale over the tokens that
+    have at least one local expert (all tokens without an expert_map; abi.h: quantization
+    covers the rows of local experts only; vLLM takes all tokens, which differs only under EP),
+    or per token and 128 columns (block=True). GEMM2 input: the activation output rounded to
+    act_dtype, then fake-quantized per tensor over all (token, slot) rows of local experts, or
+    per row and 128 columns. The block GEMMs' per-128-K-slice scaling equals
+    dequantize-then-matmul exactly."""
+    dev = hidden_states.device
+    m, hsize = hidden_states.shape
+    out = torch.zeros(m, hsize, dtype=F64, device=dev)
+    if m == 0:
+        return out
+    b13 = None if w13_bias is None else w13_bias.to(device=dev, dtype=F64)
+    b2 = None if w2_bias is None else w2_bias.to(device=dev, dtype=F64)
+    tw = topk_weights.to(device=dev, dtype=F64)
+    ids = topk_ids.to(device=dev, dtype=torch.int64)
+    local = ids if expert_map is None else expert_map.to(device=dev, dtype=torch.int64)[ids]
+    has_local = (local >= 0).any(dim=1)
+    if not bool(has_local.any()):
+        return out
+    if block:
+        xq = fake_quant_group(hidden_states)
+    else:
+        _, x_scale = fp8_quant_tensor(hidden_states[has_local])
+        xq = fp8_dequant_tensor(fp8_quant_tensor(hidden_states, x_scale)[0], x_scale)
+    pieces = []  # (expert, tokens, slots, activation rows)
+    for e in torch.unique(local).tolist():
+        if e < 0:
+            continue
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        h = xq[tok] @ w13[e].to(device=dev, dtype=F64).T
+        if b13 is not None:
+            h = h + b13[e]
+        a = activation_fn(h, activation, is_act_and_mul, swiglu_alpha, swiglu_limit)
+        pieces.append((e, tok, slot, a.to(act_dtype)))
+    if not pieces:
+        return out
+    if block:
+        quantized = [fake_quant_group(a) for *_, a in pieces]
+    else:
+        rows = torch.cat([a for *_, a in pieces])
+        _, scale = fp8_quant_tensor(rows)
+        quantized = [fp8_dequant_tensor(fp8_quant_tensor(a, scale)[0], scale)
+                     for *_, a in pieces]
+    for (e, tok, slot, _), aq in zip(pieces, quantized):
+        y = aq @ w2[e].to(device=dev, dtype=F64).T
+        if b2 is not None:
+            y = y + b2[e]
+        out.index_add_(0, tok, y * tw[tok, slot][:, None])
+    return out

@@ -371,20 +371,11 @@ def test_defaults_of_unsupported_features_are_accepted():
     assert layer.local_num_experts == 8
 
 
-def test_quantization_not_implemented(gen):
-    x = randn(gen, 4, 256)
-    calls = [
-        lambda: moe_ext.Fp8OnlineConfig(),
-        lambda: moe_ext.Fp8OnlineConfig(weight_block_size=[128, 128]),
-        lambda: moe_ext.WNA16Config(bits=4, group_size=128, sym=True, desc_act=False),
-        lambda: moe_ext.Linear(256, 128),
-        lambda: moe_ext.scaled_fp8_quant(x),
-        lambda: moe_ext.per_block_cast_to_fp8(x),
-        lambda: moe_ext.per_token_group_quant_fp8(x, 128),
-    ]
-    for call in calls:
-        with pytest.raises(NotImplementedError):
-            call()
+def test_quantization_not_implemented():
+    with pytest.raises(NotImplementedError, match="WNA16"):
+        moe_ext.WNA16Config(bits=4, group_size=128, sym=True, desc_act=False)
+    with pytest.raises(NotImplementedError, match="weight_block_size"):
+        moe_ext.Fp8OnlineConfig(weight_block_size=[64, 64])
 
 
 def test_determine_expert_map_errors():

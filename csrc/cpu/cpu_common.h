@@ -165,4 +165,15 @@ static inline float mx_load_f32(mx_dtype dt, const void *base, int64_t i)
     return ((const float *)base)[i];
 }
 
+/* Element i of a F32 / F16 / BF16 array = v, rounded to nearest even. */
+static inline void mx_store_f32(mx_dtype dt, void *base, int64_t i, float v)
+{
+    if (dt == MX_BF16)
+        ((uint16_t *)base)[i] = mx_f32_to_bf16(v);
+    else if (dt == MX_F16)
+        ((uint16_t *)base)[i] = mx_f32_to_f16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
 #endif /* MOE_EXT_CPU_COMMON_H */

@@ -1,4 +1,4 @@
-/* CPU experts engine (abi.h mx_cpu_experts, numerics.md "Experts").
+/* CPU experts engine (abi.h mx_cpu_experts, numerics.md "Experts" and "FP8").
  *
  * Operands, all row-major, in act_dtype (F32 | F16 | BF16) unless noted:
  *   hidden_states [M, H]; w13 [E_local, N1, H] with N1 = 2I (gated: gate rows
@@ -6,67 +6,61 @@
  *   w2 [E_local, H, I]; w13_bias [E_local, N1]; w2_bias [E_local, H];
  *   topk_weights float32 [M, k]; topk_ids int32 [M, k]; expert_map int32
  *   [E_global] (-1: not on this rank); output [M, H].
+ *   FP8 (quant != NONE): w13, w2 float8_e4m3fn; w13_scale / w2_scale float32,
+ *   FP8_TENSOR [E_local], FP8_BLOCK [E_local, ceil(N1/128), ceil(H/128)] and
+ *   [E_local, ceil(H/128), ceil(I/128)].
  *
- * Both GEMMs are "x times weight rows": out[n] = dot(x, W[n, :]). Tokens are
+ * Both GEMMs are "x times weight rows": out[n] = dot(x, W[n, :]), computed by
+ * gemm.c (each work item reads its weight rows from memory once). Tokens are
  * processed in chunks of plan.chunk tokens (the workspace stays near
  * MX_WORKSPACE_BUDGET whatever M is). Per chunk, inside one parallel region:
  *   1. x rows -> float32 (times the router weight, rounded to act_dtype, when
- *      it goes on the input);
+ *      it goes on the input); FP8: quantized (the float32 of the fp8 values);
  *   2. a stable counting sort groups the chunk's (token, slot) pairs by local
  *      expert;
  *   3. GEMM1 + bias + activation, one work item per (expert, MX_COLS1
  *      activation columns); a rounded to act_dtype;
- *   4. GEMM2 + bias, one work item per (expert, MX_ROWS2 rows of H) -> y in
+ *   4. FP8: a quantized (FP8_TENSOR after an amax reduction over the pairs);
+ *   5. GEMM2 + bias, one work item per (expert, MX_ROWS2 rows of H) -> y in
  *      float32;
- *   5. out_t = sum over slots, in slot order, of w * y in float32, rounded once.
- * A work item reads its weight rows from memory once. The register tile
- * (4 weight rows x up to 3 pairs) converts weights to float32 as it loads
- * them and prefetches the item's next 4 rows meanwhile. An expert with more
- * than 3 pairs in the chunk keeps the float32 rows of that first pass in a
- * stack block (MX_WBUF_FLOATS, L1-resident) and feeds its other pairs from
- * there. Decode (1-4 pairs per expert) is therefore bound by weight reads;
- * prefill reuses every converted block across all of the expert's pairs.
- * Work items own disjoint outputs and their arithmetic does not depend on the
- * thread that runs them, so results are the same for any thread count.
+ *   6. out_t = sum over slots, in slot order, of w * y in float32, rounded once.
  *
- * On x86-64 with GCC/Clang the tile has an AVX2 + FMA + F16C version picked
- * at run time (the build needs no -march); elsewhere, and on CPUs without
- * AVX2, portable C. */
-#include <math.h>
-
-#include "cpu_common.h"
+ * FP8 activation quantization (numerics.md "FP8"), over the rows of local
+ * experts only: FP8_BLOCK quantizes per row and 128 columns, row by row;
+ * FP8_TENSOR uses one scale per GEMM input over the whole call, so all chunks
+ * share it: before the chunks, an amax pass over the x rows of tokens with a
+ * local expert gives the GEMM1 scale. The GEMM2 scale needs every activation
+ * row: a first pass runs steps 1-3 of every chunk but the last for their
+ * amax alone; the last chunk then runs in full, completing the amax between
+ * steps 3 and 4, and the other chunks run again in full (with one chunk, no
+ * GEMM1 is repeated; with more, all but one chunk's are, and the workspace
+ * stays bounded). Amax reductions combine per-thread maxima, exact in any
+ * order. Work items own
+ * disjoint outputs and their arithmetic does not depend on the thread that
+ * runs them, so results are the same for any thread count. */
+#include "fp8.h"
+#include "gemm.h"
 
 enum {
-    MX_TILE_ROWS = 4,      /* register tile: weight rows ... */
-    MX_TILE_PAIRS = 3,     /* ... times pairs (12 accumulators of 8 floats) */
-    MX_KC_MAX = 2048,      /* longest K slice of a block (longer rows go in slices) */
-    MX_WBUF_PAD = 16,      /* floats between kept rows: no 4 KiB aliasing of stores and loads */
-    MX_WBUF_FLOATS = MX_TILE_ROWS * (MX_KC_MAX + MX_WBUF_PAD), /* kept block: ~32 KiB, L1 */
-    MX_COLS1 = 16,         /* GEMM1 work item: activation columns (2x weight rows when gated) */
-    MX_ROWS2 = 32,         /* GEMM2 work item: rows of w2 */
+    MX_COLS1 = 16, /* GEMM1 work item: activation columns (2x weight rows when gated) */
+    MX_ROWS2 = 32, /* GEMM2 work item: rows of w2 */
 };
 
 #define MX_WORKSPACE_BUDGET ((size_t)64 << 20)
 #define MX_ALIGN 64
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MX_HAVE_AVX2_PATH 1
-#include <cpuid.h>
-#include <immintrin.h>
-#define MX_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define MX_INLINE_AVX2 static inline __attribute__((always_inline)) MX_AVX2
-#else
-#define MX_HAVE_AVX2_PATH 0
-#endif
-
 /* Sizes and workspace offsets: a pure function of the problem. */
 typedef struct mx_plan {
     int64_t n1;       /* rows of w13 per expert: 2I or I */
     int64_t ld_hy;    /* row stride of the h / y buffer: max(n1, H) */
+    int64_t gx, ga;   /* FP8_BLOCK: 128-column groups of x (H) and of a (I); else 0 */
     int64_t chunk;    /* tokens per chunk */
+    int64_t nchunks;
     size_t off_x;     /* float [chunk, H]: x in float32, then the output accumulator */
     size_t off_hy;    /* float [chunk * k, ld_hy]: h after GEMM1, y after GEMM2 */
     size_t off_a;     /* float [chunk * k, I]: activation output (act_dtype values) */
+    size_t off_sx;    /* float [chunk, gx]: FP8_BLOCK scales of x */
+    size_t off_sa;    /* float [chunk * k, ga]: FP8_BLOCK scales of a */
     size_t off_slot;  /* int32 [chunk * k]: local expert of each pair, -1 if none */
     size_t off_order; /* int32 [chunk * k]: pairs sorted by local expert */
     size_t off_start; /* int32 [E_local + 1]: first sorted pair of each expert */
@@ -79,11 +73,14 @@ typedef struct mx_ctx {
     const mx_experts_problem *p;
     const mx_plan *plan;
     int avx2;
-    size_t esize;
+    size_t esize;     /* bytes of an act_dtype element */
+    mx_dtype wdt;     /* dtype of w13 / w2: act_dtype, or F8E4M3 */
     int64_t H, I, k;
-    float *x, *hy, *a;
+    float *x, *hy, *a, *sx, *sa;
     int32_t *slot, *order, *start, *active;
     int64_t n_active;
+    /* FP8_TENSOR, shared by all threads: amax accumulators and the scales */
+    float x_amax, a_amax, x_scale, a_scale;
 } mx_ctx;
 
 static size_t mx_align_up(size_t n)
@@ -102,6 +99,10 @@ static size_t mx_plan_layout(mx_plan *pl, const mx_experts_problem *p, int64_t c
     off += mx_align_up(pairs * (size_t)pl->ld_hy * sizeof(float));
     pl->off_a = off;
     off += mx_align_up(pairs * (size_t)p->intermediate_size * sizeof(float));
+    pl->off_sx = off;
+    off += mx_align_up((size_t)(chunk * pl->gx) * sizeof(float));
+    pl->off_sa = off;
+    off += mx_align_up(pairs * (size_t)pl->ga * sizeof(float));
     pl->off_slot = off;
     off += mx_align_up(pairs * sizeof(int32_t));
     pl->off_order = off;
@@ -123,10 +124,11 @@ static int mx_plan_make(mx_plan *pl, const mx_experts_problem *p)
         return 0;
     pl->n1 = p->is_act_and_mul ? 2 * I : I;
     pl->ld_hy = pl->n1 > H ? pl->n1 : H;
+    const int block = p->quant == MX_QUANT_FP8_BLOCK;
+    pl->gx = block ? (H + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK : 0;
+    pl->ga = block ? (I + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK : 0;
     /* largest chunk within the budget, then evened out over the chunks */
-    mx_plan one;
-    one.n1 = pl->n1;
-    one.ld_hy = pl->ld_hy;
+    mx_plan one = {.n1 = pl->n1, .ld_hy = pl->ld_hy, .gx = pl->gx, .ga = pl->ga};
     const size_t fixed = mx_plan_layout(&one, p, 0);
     const size_t per_token = mx_plan_layout(&one, p, 1) - fixed + MX_ALIGN;
     int64_t chunk = MX_WORKSPACE_BUDGET > fixed ? (int64_t)((MX_WORKSPACE_BUDGET - fixed) / per_token) : 1;
@@ -134,9 +136,10 @@ static int mx_plan_make(mx_plan *pl, const mx_experts_problem *p)
     /* pairs are indexed by int32 */
     chunk = chunk < INT32_MAX / p->top_k ? chunk : INT32_MAX / p->top_k;
     chunk = chunk < M ? chunk : M;
+    pl->nchunks = 0;
     if (M > 0) {
-        const int64_t nchunks = (M + chunk - 1) / chunk;
-        chunk = (M + nchunks - 1) / nchunks;
+        pl->nchunks = (M + chunk - 1) / chunk;
+        chunk = (M + pl->nchunks - 1) / pl->nchunks;
     }
     mx_plan_layout(pl, p, chunk);
     return 1;
@@ -146,232 +149,6 @@ size_t mx_cpu_experts_workspace_bytes(const mx_experts_problem *p)
 {
     mx_plan pl;
     return mx_plan_make(&pl, p) ? pl.bytes : 0;
-}
-
-/* ---- kernels: the register tile ------------------------------------------ */
-
-/* Every tile computes out[r][p] = dot(W_r[0:K], x_p[0:K]) for r < 4 weight
- * rows and p < np pairs. W_r is in wdt (F32 | F16 | BF16), read straight from
- * memory and converted in registers, so weight loads and FMAs interleave.
- * With wstore, the float32 rows are also written to wstore + r * ldstore for
- * the expert's further pairs. A nonzero pf (bytes) prefetches the same
- * columns pf bytes past each row, i.e. the next rows of the work item: rows
- * shorter than a page share pages, which the hardware prefetcher tracks
- * poorly. */
-typedef void (*mx_tile_fn)(const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int64_t K,
-                           float *wstore, int64_t ldstore, ptrdiff_t pf, float out[MX_TILE_ROWS][MX_TILE_PAIRS]);
-
-/* Sum of the 8 lanes in the order the AVX2 reduction uses. */
-static float mx_lanes_sum(const float v[8])
-{
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
-
-static void mx_tile_generic(mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                            int np, int64_t K, float *wstore, int64_t ldstore,
-                            float out[MX_TILE_ROWS][MX_TILE_PAIRS])
-{
-    /* no prefetch here: the portable path favours simplicity */
-    float acc[MX_TILE_ROWS][MX_TILE_PAIRS][8], wv[MX_TILE_ROWS][8];
-    memset(acc, 0, sizeof acc);
-    int64_t k0 = 0;
-    for (; k0 + 8 <= K; k0 += 8) {
-        for (int r = 0; r < MX_TILE_ROWS; r++)
-            for (int l = 0; l < 8; l++)
-                wv[r][l] = mx_load_f32(wdt, w[r], k0 + l);
-        if (wstore)
-            for (int r = 0; r < MX_TILE_ROWS; r++)
-                memcpy(wstore + r * ldstore + k0, wv[r], sizeof wv[r]);
-        for (int r = 0; r < MX_TILE_ROWS; r++)
-            for (int p = 0; p < np; p++)
-                for (int l = 0; l < 8; l++)
-                    acc[r][p][l] += wv[r][l] * x[p][k0 + l];
-    }
-    for (int r = 0; r < MX_TILE_ROWS; r++) {
-        for (int p = 0; p < np; p++) {
-            float s = mx_lanes_sum(acc[r][p]);
-            for (int64_t i = k0; i < K; i++)
-                s += mx_load_f32(wdt, w[r], i) * x[p][i];
-            out[r][p] = s;
-        }
-        if (wstore)
-            for (int64_t i = k0; i < K; i++)
-                wstore[r * ldstore + i] = mx_load_f32(wdt, w[r], i);
-    }
-}
-
-#if MX_HAVE_AVX2_PATH
-MX_INLINE_AVX2 float mx_hsum_avx2(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* 8 weights from element k of row w, as float32. */
-MX_INLINE_AVX2 __m256 mx_load8_avx2(mx_dtype wdt, const void *w, int64_t k)
-{
-    if (wdt == MX_F32)
-        return _mm256_loadu_ps((const float *)w + k);
-    const __m128i h = _mm_loadu_si128((const __m128i *)(const void *)((const uint16_t *)w + k));
-    if (wdt == MX_F16)
-        return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* As mx_tile_generic. WDT and NP are constants after inlining, so the 4 x NP
- * accumulators stay in registers (12 + 3 + 1 of the 16 ymm at NP = 3). */
-MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                                 int NP, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf,
-                                 float out[MX_TILE_ROWS][MX_TILE_PAIRS])
-{
-    const int64_t esize = WDT == MX_F32 ? 4 : 2, line = 64 / esize; /* elements per cache line */
-    __m256 acc[MX_TILE_ROWS][MX_TILE_PAIRS];
-    for (int r = 0; r < MX_TILE_ROWS; r++)
-        for (int p = 0; p < NP; p++)
-            acc[r][p] = _mm256_setzero_ps();
-    int64_t k0 = 0;
-    for (; k0 + 8 <= K; k0 += 8) {
-        __m256 xv[MX_TILE_PAIRS];
-        for (int p = 0; p < NP; p++)
-            xv[p] = _mm256_loadu_ps(x[p] + k0);
-        for (int r = 0; r < MX_TILE_ROWS; r++) {
-            const __m256 wv = mx_load8_avx2(WDT, w[r], k0);
-            if (pf && k0 % line == 0)
-                _mm_prefetch((const char *)w[r] + pf + k0 * esize, _MM_HINT_T0);
-            if (wstore)
-                _mm256_storeu_ps(wstore + r * ldstore + k0, wv);
-            for (int p = 0; p < NP; p++)
-                acc[r][p] = _mm256_fmadd_ps(wv, xv[p], acc[r][p]);
-        }
-    }
-    for (int r = 0; r < MX_TILE_ROWS; r++) {
-        for (int p = 0; p < NP; p++) {
-            float s = mx_hsum_avx2(acc[r][p]);
-            for (int64_t i = k0; i < K; i++)
-                s += mx_load_f32(WDT, w[r], i) * x[p][i];
-            out[r][p] = s;
-        }
-        if (wstore)
-            for (int64_t i = k0; i < K; i++)
-                wstore[r * ldstore + i] = mx_load_f32(WDT, w[r], i);
-    }
-}
-
-/* One instantiation per (weight dtype, pairs, store or not). */
-#define MX_TILE_AVX2_DEF(name, WDT, NP, STORE)                                                                  \
-    MX_AVX2 static void name(const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int64_t K, \
-                             float *wstore, int64_t ldstore, ptrdiff_t pf,                             \
-                             float out[MX_TILE_ROWS][MX_TILE_PAIRS])                                   \
-    {                                                                                                          \
-        mx_tile_avx2(WDT, w, x, NP, K, STORE ? wstore : NULL, ldstore, pf, out);                               \
-    }
-#define MX_TILE_AVX2_DEFS(prefix, WDT, STORE)        \
-    MX_TILE_AVX2_DEF(prefix##_1, WDT, 1, STORE)      \
-    MX_TILE_AVX2_DEF(prefix##_2, WDT, 2, STORE)      \
-    MX_TILE_AVX2_DEF(prefix##_3, WDT, 3, STORE)
-
-MX_TILE_AVX2_DEFS(mx_tile_f32, MX_F32, 0)
-MX_TILE_AVX2_DEFS(mx_tile_f16, MX_F16, 0)
-MX_TILE_AVX2_DEFS(mx_tile_bf16, MX_BF16, 0)
-MX_TILE_AVX2_DEFS(mx_tile_f16_store, MX_F16, 1)
-MX_TILE_AVX2_DEFS(mx_tile_bf16_store, MX_BF16, 1)
-
-/* [store][wdt][np - 1]; float32 rows are never stored (they are reused in place) */
-static const mx_tile_fn mx_tiles_avx2[2][3][MX_TILE_PAIRS] = {
-    {
-        [MX_F32] = {mx_tile_f32_1, mx_tile_f32_2, mx_tile_f32_3},
-        [MX_F16] = {mx_tile_f16_1, mx_tile_f16_2, mx_tile_f16_3},
-        [MX_BF16] = {mx_tile_bf16_1, mx_tile_bf16_2, mx_tile_bf16_3},
-    },
-    {
-        [MX_F32] = {mx_tile_f32_1, mx_tile_f32_2, mx_tile_f32_3},
-        [MX_F16] = {mx_tile_f16_store_1, mx_tile_f16_store_2, mx_tile_f16_store_3},
-        [MX_BF16] = {mx_tile_bf16_store_1, mx_tile_bf16_store_2, mx_tile_bf16_store_3},
-    },
-};
-
-/* AVX2 and FMA (with OS support, per __builtin_cpu_supports) and F16C
- * (CPUID.1:ECX bit 29; Clang's __builtin_cpu_supports lacks "f16c"). */
-static int mx_cpu_has_avx2(void)
-{
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 29)))
-        return 0;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#endif
-
-static void mx_tile(int avx2, mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                    int np, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf,
-                    float out[MX_TILE_ROWS][MX_TILE_PAIRS])
-{
-#if MX_HAVE_AVX2_PATH
-    if (avx2) {
-        mx_tiles_avx2[wstore != NULL][wdt][np - 1](w, x, K, wstore, ldstore, pf, out);
-        return;
-    }
-#else
-    (void)avx2;
-    (void)pf;
-#endif
-    mx_tile_generic(wdt, w, x, np, K, wstore, ldstore, out);
-}
-
-/* ---- one work item's GEMM ------------------------------------------------ */
-
-/* For the np pairs in `pairs` and rows [row0, row0 + nrows) of the weight
- * matrix w [*, K] (act_dtype):
- *   d[q * ldd + r] = dot(W[row0 + r, :], x[(q / x_div) * ldx, :])
- * with q = pairs[i]. Rows go in blocks of nb rows x kc columns, nb a multiple
- * of 4 with nb * (kc + MX_WBUF_PAD) <= MX_WBUF_FLOATS; K > MX_KC_MAX goes in
- * slices whose partial dots add up in d. The first tile of pairs reads a
- * block from memory; with more pairs it also keeps the block in float32 in
- * wbuf for the rest, so each weight is read from memory and converted once. */
-static void mx_rows_dot(const mx_ctx *c, const void *w, int64_t K, int64_t row0, int nrows, const float *x,
-                        int64_t ldx, int64_t x_div, float *d, int64_t ldd, const int32_t *pairs, int64_t np)
-{
-    _Alignas(MX_ALIGN) float wbuf[MX_WBUF_FLOATS];
-    const mx_dtype dt = c->p->act_dtype;
-    const int keep = np > MX_TILE_PAIRS && dt != MX_F32;
-    const int64_t kc_max = K < MX_KC_MAX ? K : MX_KC_MAX, ldk = kc_max + MX_WBUF_PAD;
-    int nb = (int)(MX_WBUF_FLOATS / ldk);
-    nb -= nb % MX_TILE_ROWS;
-
-    for (int rb = 0; rb < nrows; rb += nb) {
-        const int nr = nrows - rb < nb ? nrows - rb : nb;
-        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-            const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
-            for (int64_t p0 = 0; p0 < np; p0 += MX_TILE_PAIRS) {
-                const int tp = np - p0 < MX_TILE_PAIRS ? (int)(np - p0) : MX_TILE_PAIRS;
-                const int from_buf = keep && p0 > 0;
-                const float *xs[MX_TILE_PAIRS];
-                for (int j = 0; j < MX_TILE_PAIRS; j++)
-                    xs[j] = x + (pairs[p0 + (j < tp ? j : tp - 1)] / x_div) * ldx + k0;
-                for (int r0 = 0; r0 < nr; r0 += MX_TILE_ROWS) {
-                    const int tr = nr - r0 < MX_TILE_ROWS ? nr - r0 : MX_TILE_ROWS;
-                    const void *ws[MX_TILE_ROWS];
-                    float out[MX_TILE_ROWS][MX_TILE_PAIRS];
-                    for (int i = 0; i < MX_TILE_ROWS; i++) {
-                        const int r = r0 + (i < tr ? i : tr - 1);
-                        ws[i] = from_buf ? (const void *)(wbuf + r * ldk)
-                                         : (const void *)((const char *)w + (size_t)((row0 + rb + r) * K + k0) * c->esize);
-                    }
-                    /* prefetch the next 4 rows while they are in this call */
-                    const ptrdiff_t pf = !from_buf && rb + r0 + 2 * MX_TILE_ROWS <= nrows
-                                             ? (ptrdiff_t)(MX_TILE_ROWS * K * (int64_t)c->esize) : 0;
-                    mx_tile(c->avx2, from_buf ? MX_F32 : dt, ws, xs, tp, kc,
-                            keep && p0 == 0 ? wbuf + r0 * ldk : NULL, ldk, pf, out);
-                    for (int j = 0; j < tp; j++) {
-                        float *dq = d + pairs[p0 + j] * ldd + rb + r0;
-                        for (int i = 0; i < tr; i++)
-                            dq[i] = k0 ? dq[i] + out[i][j] : out[i][j];
-                    }
-                }
-            }
-        }
-    }
 }
 
 /* ---- activations ---------------------------------------------------------- */
@@ -421,6 +198,24 @@ static float mx_act2(const mx_experts_problem *p, float gate, float up)
 
 /* ---- work items ----------------------------------------------------------- */
 
+/* Local expert e's matrix w [E_local, rows, K] (with its scales) for gemm.c. */
+static mx_gemm_weights mx_expert_weights(const mx_ctx *c, const void *w, const float *scale, int64_t e, int64_t rows,
+                                         int64_t K)
+{
+    const mx_quant quant = c->p->quant;
+    const int64_t nscale = quant == MX_QUANT_FP8_BLOCK
+                               ? (rows + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK * ((K + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK)
+                               : 1;
+    return (mx_gemm_weights){
+        .w = (const char *)w + (size_t)(e * rows * K) * mx_dtype_size(c->wdt),
+        .dtype = c->wdt,
+        .K = K,
+        .quant = quant,
+        .scale = quant == MX_QUANT_NONE ? NULL : scale + e * nscale,
+        .avx2 = c->avx2,
+    };
+}
+
 /* GEMM1 for activation columns [i0, i0 + nc) of local expert e, then bias,
  * activation and rounding into a. */
 static void mx_item_gemm1(const mx_ctx *c, int32_t e, int64_t i0, int nc)
@@ -429,15 +224,19 @@ static void mx_item_gemm1(const mx_ctx *c, int32_t e, int64_t i0, int nc)
     const int64_t H = c->H, I = c->I, n1 = c->plan->n1, ld = c->plan->ld_hy;
     const int32_t *pairs = c->order + c->start[e];
     const int64_t np = c->start[e + 1] - c->start[e];
-    const void *w = (const char *)p->w13 + (size_t)(e * n1 * H) * c->esize;
+    const mx_gemm_weights w = mx_expert_weights(c, p->w13, p->w13_scale, e, n1, H);
+    const mx_gemm_input x = {
+        .x = c->x, .ld = H, .div = c->k,
+        .scale = p->quant == MX_QUANT_FP8_TENSOR ? &c->x_scale : c->sx, .ld_scale = c->plan->gx,
+    };
     const int interleaved = p->is_act_and_mul && p->activation == MX_ACT_SWIGLUOAI;
 
     if (interleaved) {
-        mx_rows_dot(c, w, H, 2 * i0, 2 * nc, c->x, H, c->k, c->hy + 2 * i0, ld, pairs, np);
+        mx_gemm_rows(&w, 2 * i0, 2 * nc, &x, pairs, np, c->hy + 2 * i0, ld);
     } else {
-        mx_rows_dot(c, w, H, i0, nc, c->x, H, c->k, c->hy + i0, ld, pairs, np);
+        mx_gemm_rows(&w, i0, nc, &x, pairs, np, c->hy + i0, ld);
         if (p->is_act_and_mul)
-            mx_rows_dot(c, w, H, I + i0, nc, c->x, H, c->k, c->hy + I + i0, ld, pairs, np);
+            mx_gemm_rows(&w, I + i0, nc, &x, pairs, np, c->hy + I + i0, ld);
     }
 
     const void *bias = p->w13_bias ? (const char *)p->w13_bias + (size_t)(e * n1) * c->esize : NULL;
@@ -469,9 +268,13 @@ static void mx_item_gemm2(const mx_ctx *c, int32_t e, int64_t r0, int nr)
     const int64_t H = c->H, I = c->I, ld = c->plan->ld_hy;
     const int32_t *pairs = c->order + c->start[e];
     const int64_t np = c->start[e + 1] - c->start[e];
-    const void *w = (const char *)p->w2 + (size_t)(e * H * I) * c->esize;
+    const mx_gemm_weights w = mx_expert_weights(c, p->w2, p->w2_scale, e, H, I);
+    const mx_gemm_input a = {
+        .x = c->a, .ld = I, .div = 1,
+        .scale = p->quant == MX_QUANT_FP8_TENSOR ? &c->a_scale : c->sa, .ld_scale = c->plan->ga,
+    };
 
-    mx_rows_dot(c, w, I, r0, nr, c->a, I, 1, c->hy + r0, ld, pairs, np);
+    mx_gemm_rows(&w, r0, nr, &a, pairs, np, c->hy + r0, ld);
     if (!p->w2_bias)
         return;
     const void *bias = (const char *)p->w2_bias + (size_t)(e * H) * c->esize;
@@ -482,18 +285,85 @@ static void mx_item_gemm2(const mx_ctx *c, int32_t e, int64_t r0, int nr)
     }
 }
 
-/* ---- phases of one chunk ---------------------------------------------------- */
+/* ---- phases ----------------------------------------------------------------- */
 
-/* x row of chunk token t (global token tg) into float32. */
-static void mx_load_x(const mx_ctx *c, int64_t t, int64_t tg)
+/* Element i of token tg's x row as GEMM1 takes it before any quantization:
+ * times the router weight, rounded to act_dtype, when it goes on the input. */
+static float mx_x_at(const mx_ctx *c, int64_t tg, int64_t i)
 {
     const mx_experts_problem *p = c->p;
+    const float v = mx_load_f32(p->act_dtype, p->hidden_states, tg * c->H + i);
+    return p->apply_router_weight_on_input ? mx_round_to(p->act_dtype, v * p->topk_weights[tg * c->k]) : v;
+}
+
+/* x row of chunk token t (global token tg) into float32, quantized with FP8. */
+static void mx_load_x(const mx_ctx *c, int64_t t, int64_t tg)
+{
     float *x = c->x + t * c->H;
-    const void *src = (const char *)p->hidden_states + (size_t)(tg * c->H) * c->esize;
-    const float w = p->apply_router_weight_on_input ? p->topk_weights[tg * c->k] : 1.0f;
     for (int64_t i = 0; i < c->H; i++)
-        x[i] = p->apply_router_weight_on_input ? mx_round_to(p->act_dtype, mx_load_f32(p->act_dtype, src, i) * w)
-                                               : mx_load_f32(p->act_dtype, src, i);
+        x[i] = mx_x_at(c, tg, i);
+    if (c->p->quant == MX_QUANT_FP8_TENSOR) {
+        const float inv = 1.0f / c->x_scale;
+        for (int64_t i = 0; i < c->H; i++)
+            x[i] = mx_fp8_round(x[i] * inv);
+    } else if (c->p->quant == MX_QUANT_FP8_BLOCK) {
+        mx_fp8_quant_groups(x, c->H, c->sx + t * c->plan->gx);
+    }
+}
+
+/* Adds this thread's maximum to *amax once all threads have (call from
+ * every thread of the team, after its share of a "for nowait" loop). */
+static void mx_amax_combine(float *amax, float local)
+{
+    MX_OMP(critical)
+    *amax = mx_max_nan(*amax, local);
+    MX_OMP(barrier)
+}
+
+/* FP8_TENSOR: x_scale from the amax of the x rows of tokens with at least one
+ * local expert, over all tokens. */
+static void mx_x_scale(mx_ctx *c)
+{
+    const mx_experts_problem *p = c->p;
+    float local = 0.0f;
+    MX_OMP(for schedule(static) nowait)
+    for (int64_t t = 0; t < p->num_tokens; t++) {
+        int local_expert = 0;
+        for (int64_t j = 0; j < c->k && !local_expert; j++)
+            local_expert = !p->expert_map || p->expert_map[p->topk_ids[t * c->k + j]] >= 0;
+        if (local_expert)
+            for (int64_t i = 0; i < c->H; i++)
+                local = mx_amax_step(local, mx_x_at(c, t, i));
+    }
+    mx_amax_combine(&c->x_amax, local);
+    MX_OMP(single)
+    c->x_scale = mx_fp8_tensor_scale(c->x_amax);
+}
+
+/* FP8_TENSOR: the amax of the activation rows of the chunk's npairs pairs
+ * with a local expert joins a_amax. */
+static void mx_a_amax(mx_ctx *c, int64_t npairs)
+{
+    float local = 0.0f;
+    MX_OMP(for schedule(static) nowait)
+    for (int64_t q = 0; q < npairs; q++)
+        if (c->slot[q] >= 0)
+            for (int64_t i = 0; i < c->I; i++)
+                local = mx_amax_step(local, c->a[q * c->I + i]);
+    mx_amax_combine(&c->a_amax, local);
+}
+
+/* Quantizes the activation row of pair q in place. */
+static void mx_quant_a(const mx_ctx *c, int64_t q)
+{
+    float *a = c->a + q * c->I;
+    if (c->p->quant == MX_QUANT_FP8_TENSOR) {
+        const float inv = 1.0f / c->a_scale;
+        for (int64_t i = 0; i < c->I; i++)
+            a[i] = mx_fp8_round(a[i] * inv);
+    } else {
+        mx_fp8_quant_groups(a, c->I, c->sa + q * c->plan->ga);
+    }
 }
 
 /* Stable counting sort of the chunk's pairs by local expert. */
@@ -553,6 +423,61 @@ static void mx_combine(const mx_ctx *c, int64_t t, int64_t tg)
     }
 }
 
+/* How much of a chunk to run (FP8_TENSOR splits the work around the GEMM2
+ * scale). */
+typedef enum mx_pass {
+    MX_PASS_AMAX,        /* up to GEMM1, adding the activations' amax to a_amax */
+    MX_PASS_AMAX_OUTPUT, /* the same, then a_scale from the complete amax, then the rest */
+    MX_PASS_OUTPUT,      /* everything, with a_scale (FP8_TENSOR) already known */
+} mx_pass;
+
+/* Chunk number ic (tokens [t0, t0 + mc)), run by every thread of the team. */
+static void mx_run_chunk(mx_ctx *c, int64_t ic, mx_pass pass)
+{
+    const mx_experts_problem *p = c->p;
+    const int64_t chunk = c->plan->chunk, t0 = ic * chunk;
+    const int64_t mc = p->num_tokens - t0 < chunk ? p->num_tokens - t0 : chunk;
+    const int64_t H = c->H, I = c->I, npairs = mc * c->k;
+    const int64_t blocks1 = (I + MX_COLS1 - 1) / MX_COLS1, blocks2 = (H + MX_ROWS2 - 1) / MX_ROWS2;
+
+    MX_OMP(for schedule(static))
+    for (int64_t t = 0; t < mc; t++)
+        mx_load_x(c, t, t0 + t);
+
+    MX_OMP(single)
+    mx_sort_pairs(c, t0, mc);
+
+    MX_OMP(for schedule(dynamic))
+    for (int64_t it = 0; it < c->n_active * blocks1; it++) {
+        const int64_t i0 = it % blocks1 * MX_COLS1;
+        mx_item_gemm1(c, c->active[it / blocks1], i0, (int)(I - i0 < MX_COLS1 ? I - i0 : MX_COLS1));
+    }
+
+    if (pass != MX_PASS_OUTPUT) {
+        mx_a_amax(c, npairs);
+        if (pass == MX_PASS_AMAX)
+            return;
+        MX_OMP(single)
+        c->a_scale = mx_fp8_tensor_scale(c->a_amax);
+    }
+    if (p->quant != MX_QUANT_NONE) {
+        MX_OMP(for schedule(static))
+        for (int64_t q = 0; q < npairs; q++)
+            if (c->slot[q] >= 0)
+                mx_quant_a(c, q);
+    }
+
+    MX_OMP(for schedule(dynamic))
+    for (int64_t it = 0; it < c->n_active * blocks2; it++) {
+        const int64_t r0 = it % blocks2 * MX_ROWS2;
+        mx_item_gemm2(c, c->active[it / blocks2], r0, (int)(H - r0 < MX_ROWS2 ? H - r0 : MX_ROWS2));
+    }
+
+    MX_OMP(for schedule(static))
+    for (int64_t t = 0; t < mc; t++)
+        mx_combine(c, t, t0 + t);
+}
+
 /* ---- entry point -------------------------------------------------------- */
 
 static mx_status mx_check(const mx_experts_problem *p, const void *workspace)
@@ -574,6 +499,10 @@ static mx_status mx_check(const mx_experts_problem *p, const void *workspace)
         (plain_only && p->is_act_and_mul))
         return mx_error(MX_ERR_NOT_IMPLEMENTED, "experts: activation %d with is_act_and_mul = %d is not supported",
                         (int)p->activation, p->is_act_and_mul);
+    if ((unsigned)p->quant > MX_QUANT_FP8_BLOCK)
+        return mx_error(MX_ERR_VALUE, "experts: unknown quant %d", (int)p->quant);
+    if (p->quant != MX_QUANT_NONE && (!p->w13_scale || !p->w2_scale))
+        return mx_error(MX_ERR_VALUE, "experts: FP8 weights need w13_scale and w2_scale");
     if (p->apply_router_weight_on_input && p->top_k != 1)
         return mx_error(MX_ERR_VALUE, "experts: apply_router_weight_on_input needs top_k == 1, got %d", p->top_k);
     if (p->num_tokens > 0 && !workspace)
@@ -610,52 +539,42 @@ mx_status mx_cpu_experts(const mx_experts_problem *p, void *workspace)
     mx_ctx c = {
         .p = p,
         .plan = &plan,
-        .avx2 = 0,
+        .avx2 = mx_gemm_avx2(),
         .esize = mx_dtype_size(p->act_dtype),
+        .wdt = p->quant == MX_QUANT_NONE ? p->act_dtype : MX_F8E4M3,
         .H = p->hidden_size,
         .I = p->intermediate_size,
         .k = p->top_k,
         .x = (float *)(void *)(ws + plan.off_x),
         .hy = (float *)(void *)(ws + plan.off_hy),
         .a = (float *)(void *)(ws + plan.off_a),
+        .sx = (float *)(void *)(ws + plan.off_sx),
+        .sa = (float *)(void *)(ws + plan.off_sa),
         .slot = (int32_t *)(void *)(ws + plan.off_slot),
         .order = (int32_t *)(void *)(ws + plan.off_order),
         .start = (int32_t *)(void *)(ws + plan.off_start),
         .active = (int32_t *)(void *)(ws + plan.off_active),
         .n_active = 0,
+        .x_amax = 0.0f,
+        .a_amax = 0.0f,
+        .x_scale = 0.0f,
+        .a_scale = 0.0f,
     };
-#if MX_HAVE_AVX2_PATH
-    c.avx2 = mx_cpu_has_avx2();
-#endif
-    const int64_t M = p->num_tokens, H = c.H, I = c.I;
-    const int64_t blocks1 = (I + MX_COLS1 - 1) / MX_COLS1, blocks2 = (H + MX_ROWS2 - 1) / MX_ROWS2;
+    const int64_t last = plan.nchunks - 1;
 
     MX_OMP(parallel)
-    for (int64_t t0 = 0; t0 < M; t0 += plan.chunk) {
-        const int64_t mc = M - t0 < plan.chunk ? M - t0 : plan.chunk;
-
-        MX_OMP(for schedule(static))
-        for (int64_t t = 0; t < mc; t++)
-            mx_load_x(&c, t, t0 + t);
-
-        MX_OMP(single)
-        mx_sort_pairs(&c, t0, mc);
-
-        MX_OMP(for schedule(dynamic))
-        for (int64_t it = 0; it < c.n_active * blocks1; it++) {
-            const int64_t i0 = it % blocks1 * MX_COLS1;
-            mx_item_gemm1(&c, c.active[it / blocks1], i0, (int)(I - i0 < MX_COLS1 ? I - i0 : MX_COLS1));
+    {
+        if (p->quant == MX_QUANT_FP8_TENSOR) {
+            mx_x_scale(&c);
+            for (int64_t ic = 0; ic < last; ic++)
+                mx_run_chunk(&c, ic, MX_PASS_AMAX);
+            mx_run_chunk(&c, last, MX_PASS_AMAX_OUTPUT);
+            for (int64_t ic = 0; ic < last; ic++)
+                mx_run_chunk(&c, ic, MX_PASS_OUTPUT);
+        } else {
+            for (int64_t ic = 0; ic <= last; ic++)
+                mx_run_chunk(&c, ic, MX_PASS_OUTPUT);
         }
-
-        MX_OMP(for schedule(dynamic))
-        for (int64_t it = 0; it < c.n_active * blocks2; it++) {
-            const int64_t r0 = it % blocks2 * MX_ROWS2;
-            mx_item_gemm2(&c, c.active[it / blocks2], r0, (int)(H - r0 < MX_ROWS2 ? H - r0 : MX_ROWS2));
-        }
-
-        MX_OMP(for schedule(static))
-        for (int64_t t = 0; t < mc; t++)
-            mx_combine(&c, t, t0 + t);
     }
     return st;
 }

@@ -7,12 +7,14 @@
  *   bias), keep topk_group of them, set c = -inf elsewhere;
  *   pick the k largest c (ties -> lower index), weights = s at those ids,
  *   optionally divided by their sum, then times routed_scaling_factor.
- * Tokens run in parallel; each thread owns one slice of a scratch buffer
- * sized before the parallel region. */
+ * Tokens run in parallel; each thread keeps its per-token scratch on its own
+ * stack, sized for MX_ROUTE_MAX_EXPERTS (about 52 KiB), so routing allocates
+ * nothing; more experts are not implemented. */
 #include <math.h>
-#include <stdlib.h>
 
 #include "cpu_common.h"
+
+enum { MX_ROUTE_MAX_EXPERTS = 4096 };
 
 /* Per-thread scratch for one token. */
 typedef struct mx_route_scratch {
@@ -114,9 +116,12 @@ mx_status mx_cpu_route(const mx_routing_problem *p)
     const int64_t M = p->num_tokens, E = p->num_experts;
     const int64_t G = p->num_expert_group > 0 ? p->num_expert_group : 0;
 
-    if (M < 0 || E < 1 || E > INT32_MAX)
+    if (M < 0 || E < 1)
         return mx_error(MX_ERR_VALUE, "routing: num_tokens = %lld and num_experts = %lld are out of range",
                         (long long)M, (long long)E);
+    if (E > MX_ROUTE_MAX_EXPERTS)
+        return mx_error(MX_ERR_NOT_IMPLEMENTED, "routing: num_experts = %lld is above the CPU engine's limit of %d",
+                        (long long)E, MX_ROUTE_MAX_EXPERTS);
     if (p->top_k < 1 || p->top_k > E)
         return mx_error(MX_ERR_VALUE, "routing: top_k = %d is outside [1, %lld]", p->top_k, (long long)E);
     if (p->scoring != MX_SCORING_SOFTMAX && p->scoring != MX_SCORING_SIGMOID)
@@ -136,35 +141,20 @@ mx_status mx_cpu_route(const mx_routing_problem *p)
     if (M == 0)
         return mx_ok();
 
-    int nthreads = 1;
-#ifdef _OPENMP
-    nthreads = omp_get_max_threads();
-#endif
-    /* floats first (scores, choice, group scores), then the taken flags; each
-     * thread's slice starts on its own cache line */
-    const size_t nfloat = (size_t)(2 * E + G);
-    const size_t stride = (nfloat * sizeof(float) + (size_t)E + 63) / 64 * 64;
-    char *scratch = malloc(stride * (size_t)nthreads);
-    if (!scratch)
-        return mx_error(MX_ERR_MEMORY, "routing: cannot allocate %zu bytes of scratch", stride * (size_t)nthreads);
-
     MX_OMP(parallel)
     {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
-        float *f = (float *)(void *)(scratch + stride * (size_t)tid);
-        mx_route_scratch s = {
-            .scores = f,
-            .choice = f + E,
-            .group_score = f + 2 * E,
-            .taken = (unsigned char *)(f + nfloat),
+        /* G <= E, so group scores fit the same bound */
+        float scores[MX_ROUTE_MAX_EXPERTS], choice[MX_ROUTE_MAX_EXPERTS], group_score[MX_ROUTE_MAX_EXPERTS];
+        unsigned char taken[MX_ROUTE_MAX_EXPERTS];
+        const mx_route_scratch s = {
+            .scores = scores,
+            .choice = choice,
+            .group_score = group_score,
+            .taken = taken,
         };
         MX_OMP(for schedule(static))
         for (int64_t t = 0; t < M; t++)
             mx_route_token(p, t, &s);
     }
-    free(scratch);
     return mx_ok();
 }

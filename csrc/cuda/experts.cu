@@ -24,11 +24,14 @@
  *   sorted_ids       int32 [rows_max]
  *   x_scaled         act   [M, H]        only with apply_router_weight_on_input
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
- *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode)
+ *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode;
+ *                                                 MX_TILE_SM90 first gathers GEMM1's A
+ *                                                 [rows_max, H] in act dtype here)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
 #include "common.cuh"
 #include "experts.cuh"
 #include "gemm_configs.cuh"
+#include "grouped_gemm_sm90.cuh"
 
 namespace {
 
@@ -56,6 +59,9 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
     const int64_t pairs = p->num_tokens * p->top_k;
     const int64_t local = p->num_local_experts;
     plan->tile_config = mx_select_tile_config(pairs, local);
+    if (p->act_dtype != MX_F32 && mx_select_sm90(pairs, local, p->hidden_size, p->intermediate_size) &&
+        mx_cuda_sm90_gemm_available())
+        plan->tile_config = MX_TILE_SM90;
     plan->block_m = p->act_dtype == MX_F32 ? MX_F32_BLOCK_M : mx_tile_block_m(plan->tile_config);
     plan->pairs = pairs;
     plan->tiles_max = pairs / plan->block_m + (local < pairs ? local : pairs);
@@ -77,7 +83,10 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
     plan->off_sorted_ids = take(&at, sizeof(int32_t) * plan->rows_max);
     plan->off_x_scaled = take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
     plan->off_act = take(&at, es * plan->rows_max * plan->ld_act);
-    plan->off_y = take(&at, sizeof(float) * plan->down_splits * pairs * p->hidden_size);
+    /* the Hopper path gathers GEMM1's A rows [rows_max, H] into y's space first */
+    const size_t y_bytes = sizeof(float) * plan->down_splits * pairs * p->hidden_size;
+    const size_t a_bytes = plan->tile_config == MX_TILE_SM90 ? es * plan->rows_max * p->hidden_size : 0;
+    plan->off_y = take(&at, y_bytes > a_bytes ? y_bytes : a_bytes);
     plan->total_bytes = at;
 }
 
@@ -134,6 +143,8 @@ extern "C" size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p)
 {
     if (p->num_tokens <= 0 || p->top_k < 1 || p->num_local_experts < 1)
         return 0;
+    if (p->quant != MX_QUANT_NONE)
+        return mx_cuda_experts_fp8_workspace_bytes(p);
     experts_plan plan;
     make_plan(p, &plan);
     return plan.total_bytes;
@@ -146,6 +157,8 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     mx_status st;
     if (check_problem(p, workspace, &st))
         return st;
+    if (p->quant != MX_QUANT_NONE)
+        return mx_cuda_experts_fp8(p, workspace, static_cast<cudaStream_t>(stream_ptr));
 
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     experts_plan plan;
@@ -220,7 +233,13 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     /* 16-byte loads need 16-byte rows and bases (act rows always are). */
     const int aligned1 = H % 8 == 0 && aligned16(x) && aligned16(p->w13);
     const int aligned2 = I % 8 == 0 && aligned16(p->w2);
-    switch (p->act_dtype) {
+    if (tile_config == MX_TILE_SM90 && aligned1 && aligned2 && aligned16(act) && aligned16(y)) {
+        /* TMA needs 16-byte strides and bases; otherwise MX_TILE_SM90 runs as MX_TILE_LARGE below */
+        const auto gemm = p->act_dtype == MX_BF16 ? mx_cuda_grouped_gemm_bf16_sm90 : mx_cuda_grouped_gemm_fp16_sm90;
+        st = gemm(&g1, kind1, p->num_local_experts, y, plan.tiles_max, stream);
+        if (st.code == MX_OK)
+            st = gemm(&g2, MX_GEMM_DOWN, p->num_local_experts, nullptr, plan.tiles_max, stream);
+    } else switch (p->act_dtype) {
     case MX_BF16:
         st = mx_cuda_grouped_gemm_bf16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);
         if (st.code == MX_OK)

@@ -93,6 +93,13 @@ mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split_stride, co
                           int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
                           cudaStream_t stream);
 
+/* experts_fp8.cu: the FP8 w8a8 pipeline, taken by mx_cuda_experts when
+ * p->quant != MX_QUANT_NONE (after the common checks of experts.cu). Same
+ * align / scale-input / sum stages; quantizers in fp8_quant.cu, GEMMs in
+ * grouped_gemm_fp8.cu. */
+size_t mx_cuda_experts_fp8_workspace_bytes(const mx_experts_problem *p);
+mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *workspace, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,5 @@
-/* Tile configurations of the grouped GEMMs (sm_80 .. sm_90), and the rule
- * that picks one. Every compiled config is listed here with its reason.
+/* Tile configurations of the grouped GEMMs (sm_80 .. sm_90), and the rules
+ * that pick one. Every compiled config is listed here with its reason.
  *
  * block_m is also the padding of the expert segments built by moe_align, so
  * GEMM1 and GEMM2 of one forward use the same config. */
@@ -50,10 +50,54 @@ typedef mx_tile_shape<64, 128, 2, 2, 3, 3, 0> mx_tile_mid;
  * together and the gathered rows stay in L2. */
 typedef mx_tile_shape<128, 128, 2, 4, 3, 2, 0> mx_tile_large;
 
+/* ---- sm_90a (Hopper) wgmma path, grouped_gemm_sm90_impl.cuh ---------------- */
+
+constexpr int kSm90BlockM = 128; /* also moe_align's block_m for this path */
+
+template <int BN, int STAGES, int CLUSTER_M, int GROUP_M>
+struct mx_sm90_shape {
+    static constexpr int kBlockM = kSm90BlockM;
+    static constexpr int kBlockN = BN;      /* wgmma n; weight rows per tile, loaded as two boxes of BN/2 */
+    static constexpr int kBlockK = 64;      /* 128 bytes: the 128B swizzle span */
+    static constexpr int kStages = STAGES;  /* TMA ring depth */
+    static constexpr int kClusterM = CLUSTER_M; /* CTAs per cluster, on consecutive m tiles */
+    static constexpr int kGroupM = GROUP_M; /* tile order: m units per group, m fastest */
+    static constexpr int kMathWarpgroups = 2;
+    static constexpr int kMathWarps = 4 * kMathWarpgroups;
+    static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
+    static constexpr int kMathRegs = 232;   /* setmaxnreg: BN/2 accumulators + epilogue */
+    static constexpr int kProducerRegs = 40;
+    static constexpr uint32_t kABytes = kBlockM * kBlockK * 2;
+    static constexpr uint32_t kWBytes = BN * kBlockK * 2;
+    static constexpr uint32_t kStageBytes = kABytes + kWBytes;
+    /* 1024 bytes of slack to align the slots to the swizzle atom, then the
+     * slots, then full and empty barriers (8 bytes each) */
+    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 2 * 8 * STAGES;
+
+    static_assert(BN % 32 == 0 && BN >= 64 && BN <= 256, "wgmma n up to 256, two weight boxes of a multiple of 16 rows");
+    static_assert(kStageBytes % 1024 == 0 && kWBytes % 2048 == 0, "slots and weight boxes start on 1024-byte atoms");
+    static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit");
+    static_assert(kMathRegs * 128 * kMathWarpgroups + kProducerRegs * 128 <= 65536, "register file of one SM");
+    static_assert(kMathRegs % 8 == 0 && kProducerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+    static_assert(CLUSTER_M == 1 || CLUSTER_M == 2, "pairs of CTAs at most (the multicast mask covers the pair)");
+    static_assert(GROUP_M >= 1, "at least one m unit per group");
+};
+
+/* 128x256x64, 4 stages (193 KB, 1 CTA/SM): m64n256 wgmma per math
+ * warpgroup, the largest n (fewest shared-memory bytes per MAC) with 128
+ * accumulators per thread. Clusters of 2 CTAs on neighbouring m tiles: when
+ * both tiles belong to one expert (nearly always at these sizes) each CTA
+ * loads half of the weight tile and multicasts it, so the L2 -> SM traffic
+ * per k block drops from 48 to 32 KB. Tile order: groups of 8 m units (16 m
+ * tiles, 2048 rows), m fastest, so that the CTAs of one wave share weight
+ * slices and A rows in L2. */
+typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90;
+
 enum mx_tile_config {
     MX_TILE_DECODE = 0,
     MX_TILE_MID = 1,
     MX_TILE_LARGE = 2,
+    MX_TILE_SM90 = 3, /* Hopper wgmma path; its mma.sync fallback is MX_TILE_LARGE (same block_m) */
 };
 
 /* The SIMT float32 path's tile rows (grouped_gemm_f32.cu). */
@@ -61,7 +105,8 @@ enum mx_tile_config {
 
 static inline int mx_tile_block_m(int config)
 {
-    return config == MX_TILE_LARGE ? mx_tile_large::kBlockM
+    return config == MX_TILE_SM90  ? kSm90BlockM
+         : config == MX_TILE_LARGE ? mx_tile_large::kBlockM
          : config == MX_TILE_MID   ? mx_tile_mid::kBlockM
                                    : mx_tile_decode::kBlockM;
 }
@@ -83,6 +128,19 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
     if (pairs < 96 * e)
         return MX_TILE_MID;
     return MX_TILE_LARGE;
+}
+
+/* Rule for the Hopper path (taken only where mx_cuda_sm90_gemm_available()):
+ * TMA needs 16-byte row strides, so H and I must be multiples of 8; below
+ * kSm90MinRowsPerExpert expected rows per local expert the layer is weight-
+ * bandwidth bound and the mma.sync decode / mid tiles (16 / 64 rows, no
+ * padding to 128) stream the weights as well or better. */
+constexpr int64_t kSm90MinRowsPerExpert = 64;
+
+static inline int mx_select_sm90(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter)
+{
+    const int64_t e = local_experts > 0 ? local_experts : 1;
+    return hidden % 8 == 0 && inter % 8 == 0 && pairs >= kSm90MinRowsPerExpert * e;
 }
 
 /* Split-K of GEMM2 (the down projection), decode config only: with few

@@ -1,0 +1,275 @@
+/* The FP8 w8a8 expert pipeline (mx_cuda_experts with quant != NONE;
+ * numerics.md "FP8", abi.h mx_experts_problem).
+ *
+ * Operands: x [M, H] and biases in the act dtype (bfloat16 / float16 /
+ * float32); w13 fp8 [E_local, N1, H], w2 fp8 [E_local, H, I];
+ *   FP8_TENSOR  w13_scale / w2_scale f32 [E_local]; activations per tensor
+ *   FP8_BLOCK   w13_scale f32 [E_local, N1/128, H/128], w2_scale [E_local,
+ *               H/128, I/128] (ceil); activations per token and 128 columns
+ * topk_weights f32 [M, k], topk_ids i32 [M, k], expert_map -> out [M, H].
+ *
+ * Launches, in stream order (no host synchronization, no allocation):
+ *   1. moe_align_kernel         pairs -> expert segments padded to block_m, tile table
+ *   2. moe_scale_input_kernel   only with apply_router_weight_on_input
+ *   3. x -> x_q                 TENSOR: rows_amax_kernel (block maxima over the
+ *                               rows of tokens with a local expert; also zeroes
+ *                               act_amax) + rows_quant_tensor_kernel;
+ *                               BLOCK: group_quant_kernel (x_scale [M, H/128])
+ *   4. GEMM1 (fp8)              act = act(x_q[token] @ w13[e].T * scales + b13),
+ *                               rounded to the act dtype; TENSOR: atomic amax of act
+ *   5. act -> act_q             TENSOR: rows_quant_tensor_kernel with the scale
+ *                               from act_amax; BLOCK: group_quant_kernel
+ *                               (act_scale [rows, I/128]); valid sorted rows only
+ *   6. GEMM2 (fp8)              y[pair] = (act_q @ w2[e].T * scales + b2) * w, float32
+ *                               (split-K slices at decode)
+ *   7. moe_sum_kernel           out[t] = sum_j y[t, j], rounded once
+ * Grids are sized from the worst case and surplus CTAs exit after reading
+ * num_tiles. Quantization covers exactly the rows of local experts, so the
+ * per-tensor scales match a reference that quantizes those rows only.
+ *
+ * Workspace (each piece 256-byte aligned), tiles_max = floor(M k / block_m)
+ * + min(E_local, M k), rows_max = tiles_max * block_m:
+ *   counts, cursor   int32 [E_local]              moe_align's counters
+ *   num_tiles        int32 [1]
+ *   scalars          act_amax (u32 bits), x_scale, act_scale (TENSOR)
+ *   partials         f32 [mx_fp8_amax_parts(M)]   TENSOR: amax of x per block
+ *   tile_expert      int32 [tiles_max]
+ *   sorted_ids       int32 [rows_max]
+ *   x_scaled         act [M, H]                   only with apply_router_weight_on_input
+ *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16
+ *   x_scale          f32 [M, H/128]               BLOCK
+ *   act              act [rows_max, ld_act]       ld_act = I rounded up to 8
+ *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
+ *   act_scale        f32 [rows_max, I/128]        BLOCK
+ *   y                f32 [down_splits, M k, H]
+ * The workspace is sized for the larger of the shape-selected tile config
+ * and mid (taken when the weight pointers do not allow 16-byte loads). */
+#include <string.h>
+
+#include "common.cuh"
+#include "experts.cuh"
+#include "fp8.cuh"
+#include "gemm_configs_fp8.cuh"
+
+namespace {
+
+typedef struct fp8_plan {
+    int tile_config; /* mx_fp8_tile_config */
+    int block_m;
+    int64_t pairs, tiles_max, rows_max;
+    int64_t ld_xq, ld_act, ld_aq, x_blocks, act_blocks;
+    int down_splits;
+    int64_t down_split_len;
+    size_t off_counts, off_cursor, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids,
+        off_x_scaled, off_x_q, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
+    size_t total_bytes;
+} fp8_plan;
+
+size_t take(size_t *cursor, size_t bytes)
+{
+    const size_t at = *cursor;
+    *cursor += (bytes + 255) & ~static_cast<size_t>(255);
+    return at;
+}
+
+bool aligned16(const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+/* shapes allow 16-byte weight loads (the pointers are checked at launch) */
+int shapes_aligned(const mx_experts_problem *p) { return p->hidden_size % 16 == 0 && p->intermediate_size % 16 == 0; }
+
+void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
+{
+    const int64_t M = p->num_tokens, H = p->hidden_size, I = p->intermediate_size;
+    const int64_t local = p->num_local_experts;
+    const bool block = p->quant == MX_QUANT_FP8_BLOCK;
+    const size_t es = p->act_dtype == MX_F32 ? 4 : 2;
+    plan->tile_config = tile_config;
+    plan->block_m = mx_fp8_tile_block_m(tile_config);
+    plan->pairs = M * p->top_k;
+    plan->tiles_max = plan->pairs / plan->block_m + (local < plan->pairs ? local : plan->pairs);
+    plan->rows_max = plan->tiles_max * plan->block_m;
+    plan->ld_xq = (H + 15) / 16 * 16;
+    plan->ld_act = (I + 7) / 8 * 8;
+    plan->ld_aq = (I + 15) / 16 * 16;
+    plan->x_blocks = mx_ceil_div(H, kFp8Block);
+    plan->act_blocks = mx_ceil_div(I, kFp8Block);
+    plan->down_splits =
+        mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
+    size_t at = 0;
+    plan->off_counts = take(&at, sizeof(int32_t) * local);
+    plan->off_cursor = take(&at, sizeof(int32_t) * local);
+    plan->off_num_tiles = take(&at, sizeof(int32_t));
+    plan->off_scalars = take(&at, 3 * sizeof(float));
+    plan->off_partials = take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
+    plan->off_tile_expert = take(&at, sizeof(int32_t) * plan->tiles_max);
+    plan->off_sorted_ids = take(&at, sizeof(int32_t) * plan->rows_max);
+    plan->off_x_scaled = take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
+    plan->off_x_q = take(&at, static_cast<size_t>(M * plan->ld_xq));
+    plan->off_x_scale = take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
+    plan->off_act = take(&at, es * plan->rows_max * plan->ld_act);
+    plan->off_act_q = take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
+    plan->off_act_scale = take(&at, block ? sizeof(float) * plan->rows_max * plan->act_blocks : 0);
+    plan->off_y = take(&at, sizeof(float) * plan->down_splits * plan->pairs * H);
+    plan->total_bytes = at;
+}
+
+int select_config(const mx_experts_problem *p, int aligned)
+{
+    return mx_fp8_select_tile_config(p->num_tokens * p->top_k, p->num_local_experts, aligned);
+}
+
+} /* namespace */
+
+extern "C" size_t mx_cuda_experts_fp8_workspace_bytes(const mx_experts_problem *p)
+{
+    if (p->num_tokens <= 0 || p->top_k < 1 || p->num_local_experts < 1)
+        return 0;
+    fp8_plan chosen, mid;
+    make_plan(p, select_config(p, shapes_aligned(p)), &chosen);
+    make_plan(p, MX_FP8_TILE_MID, &mid);
+    return chosen.total_bytes > mid.total_bytes ? chosen.total_bytes : mid.total_bytes;
+}
+
+extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *workspace, cudaStream_t stream)
+{
+    if (p->quant != MX_QUANT_FP8_TENSOR && p->quant != MX_QUANT_FP8_BLOCK)
+        return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): unknown quant %d", (int)p->quant);
+    if (!p->w13_scale || !p->w2_scale)
+        return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): FP8 weights need w13_scale and w2_scale");
+    const int64_t M = p->num_tokens, H = p->hidden_size, I = p->intermediate_size;
+    const bool block = p->quant == MX_QUANT_FP8_BLOCK;
+    const int aligned1 = H % 16 == 0 && aligned16(p->w13);
+    const int aligned2 = I % 16 == 0 && aligned16(p->w2);
+    fp8_plan plan;
+    make_plan(p, select_config(p, aligned1 && aligned2), &plan);
+    if (plan.rows_max > 0x7fffffff || plan.pairs > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): M * top_k = %lld pairs exceed int32 indexing",
+                              (long long)plan.pairs);
+
+    unsigned char *ws = static_cast<unsigned char *>(workspace);
+    int32_t *counts = reinterpret_cast<int32_t *>(ws + plan.off_counts);
+    int32_t *cursor = reinterpret_cast<int32_t *>(ws + plan.off_cursor);
+    int32_t *num_tiles = reinterpret_cast<int32_t *>(ws + plan.off_num_tiles);
+    uint32_t *act_amax = reinterpret_cast<uint32_t *>(ws + plan.off_scalars);
+    float *x_tensor_scale = reinterpret_cast<float *>(ws + plan.off_scalars) + 1;
+    float *act_tensor_scale = reinterpret_cast<float *>(ws + plan.off_scalars) + 2;
+    float *partials = reinterpret_cast<float *>(ws + plan.off_partials);
+    int32_t *tile_expert = reinterpret_cast<int32_t *>(ws + plan.off_tile_expert);
+    int32_t *sorted_ids = reinterpret_cast<int32_t *>(ws + plan.off_sorted_ids);
+    void *x_scaled = ws + plan.off_x_scaled;
+    uint8_t *x_q = ws + plan.off_x_q;
+    float *x_scale = reinterpret_cast<float *>(ws + plan.off_x_scale);
+    void *act = ws + plan.off_act;
+    uint8_t *act_q = ws + plan.off_act_q;
+    float *act_scale = reinterpret_cast<float *>(ws + plan.off_act_scale);
+    float *y = reinterpret_cast<float *>(ws + plan.off_y);
+
+    mx_status st = mx_cuda_moe_align(p->topk_ids, p->expert_map, plan.pairs, p->global_num_experts,
+                                     p->num_local_experts, plan.block_m, counts, cursor, sorted_ids, tile_expert,
+                                     num_tiles, stream);
+    if (st.code != MX_OK)
+        return st;
+
+    const void *x = p->hidden_states;
+    if (p->apply_router_weight_on_input) {
+        st = mx_cuda_moe_scale_input(x, p->topk_weights, M, H, p->top_k, p->act_dtype, x_scaled, stream);
+        if (st.code != MX_OK)
+            return st;
+        x = x_scaled;
+    }
+
+    mx_fp8_row_filter routed;
+    memset(&routed, 0, sizeof routed);
+    routed.mode = MX_FP8_ROWS_ROUTED;
+    routed.topk_ids = p->topk_ids;
+    routed.expert_map = p->expert_map;
+    routed.top_k = p->top_k;
+    routed.global_experts = p->global_num_experts;
+    routed.local_experts = p->num_local_experts;
+    if (block) {
+        st = mx_cuda_fp8_rows_quant_group(x, p->act_dtype, M, H, H, kFp8Block, &routed, x_q, plan.ld_xq, x_scale,
+                                          plan.x_blocks, stream);
+    } else {
+        st = mx_cuda_fp8_rows_amax(x, p->act_dtype, M, H, H, &routed, partials, act_amax, stream);
+        if (st.code == MX_OK)
+            st = mx_cuda_fp8_rows_quant_tensor(x, p->act_dtype, M, H, H, &routed, partials, nullptr, x_q, plan.ld_xq,
+                                               x_tensor_scale, stream);
+    }
+    if (st.code != MX_OK)
+        return st;
+
+    mx_fp8_gemm_args g1;
+    memset(&g1, 0, sizeof g1);
+    g1.a = x_q;
+    g1.lda = plan.ld_xq;
+    g1.a_scale = block ? x_scale : x_tensor_scale;
+    g1.a_scale_ld = plan.x_blocks;
+    g1.w = static_cast<const uint8_t *>(p->w13);
+    g1.w_scale = p->w13_scale;
+    g1.bias = p->w13_bias;
+    g1.n_rows = p->is_act_and_mul ? 2 * I : I;
+    g1.k = H;
+    g1.out_cols = I;
+    g1.sorted_ids = sorted_ids;
+    g1.tile_expert = tile_expert;
+    g1.num_tiles = num_tiles;
+    g1.topk_weights = p->topk_weights;
+    g1.top_k = p->top_k;
+    g1.activation = p->activation;
+    g1.swiglu_alpha = p->swiglu_alpha;
+    g1.swiglu_limit = p->swiglu_limit;
+    g1.out_dtype = p->act_dtype;
+    g1.out = act;
+    g1.ldo = plan.ld_act;
+    g1.vec_out = 1; /* act rows: 8-element multiples, 256-byte aligned base */
+    g1.amax = act_amax;
+    g1.k_splits = 1;
+    g1.k_split_len = H;
+    const mx_fp8_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_FP8_GEMM_UP
+                                 : p->activation == MX_ACT_SWIGLUOAI ? MX_FP8_GEMM_GATE_UP_INTERLEAVED
+                                                                     : MX_FP8_GEMM_GATE_UP;
+    st = mx_cuda_grouped_gemm_fp8(&g1, kind1, p->quant, plan.tile_config, aligned1, plan.tiles_max, stream);
+    if (st.code != MX_OK)
+        return st;
+
+    mx_fp8_row_filter sorted;
+    memset(&sorted, 0, sizeof sorted);
+    sorted.mode = MX_FP8_ROWS_SORTED;
+    sorted.sorted_ids = sorted_ids;
+    sorted.num_tiles = num_tiles;
+    sorted.block_m = plan.block_m;
+    if (block)
+        st = mx_cuda_fp8_rows_quant_group(act, p->act_dtype, plan.rows_max, I, plan.ld_act, kFp8Block, &sorted, act_q,
+                                          plan.ld_aq, act_scale, plan.act_blocks, stream);
+    else
+        st = mx_cuda_fp8_rows_quant_tensor(act, p->act_dtype, plan.rows_max, I, plan.ld_act, &sorted, nullptr,
+                                           act_amax, act_q, plan.ld_aq, act_tensor_scale, stream);
+    if (st.code != MX_OK)
+        return st;
+
+    mx_fp8_gemm_args g2 = g1;
+    g2.a = act_q;
+    g2.lda = plan.ld_aq;
+    g2.a_scale = block ? act_scale : act_tensor_scale;
+    g2.a_scale_ld = plan.act_blocks;
+    g2.w = static_cast<const uint8_t *>(p->w2);
+    g2.w_scale = p->w2_scale;
+    g2.bias = p->w2_bias;
+    g2.n_rows = H;
+    g2.k = I;
+    g2.out_cols = H;
+    g2.scale_by_weight = !p->apply_router_weight_on_input;
+    g2.out = y;
+    g2.ldo = H;
+    g2.vec_out = H % 4 == 0;
+    g2.amax = nullptr;
+    g2.k_splits = plan.down_splits;
+    g2.k_split_len = plan.down_split_len;
+    g2.out_split_stride = plan.pairs * H;
+    st = mx_cuda_grouped_gemm_fp8(&g2, MX_FP8_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max, stream);
+    if (st.code != MX_OK)
+        return st;
+
+    return mx_cuda_moe_sum(y, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, M, p->top_k, H,
+                           p->global_num_experts, p->num_local_experts, p->act_dtype, p->output, stream);
+}

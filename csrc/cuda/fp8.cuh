@@ -1,0 +1,174 @@
+/* FP8 (float8_e4m3fn) pieces shared by the CUDA engine's FP8 files:
+ * the quantization formulas of numerics.md "FP8" as device functions, the
+ * row filter of the pipeline quantizers, the arguments of the FP8 grouped
+ * GEMM, and the internal launchers (fp8_quant.cu, grouped_gemm_fp8.cu).
+ *
+ * Formulas (float32, in the order written; divisions correctly rounded via
+ * __fdiv_rn so that a fast-math build cannot change a bit):
+ *   per tensor       s = max(amax / 448, 1 / (448 * 512)); q = fp8(clamp(x * (1 / s)))
+ *   per block        sf = max(amax, 1e-4) / 448 (ue8m0: 2^ceil(log2 sf)); q = fp8(x * (1 / sf))
+ *   per token group  s = max(amax, 1e-10) / 448; q = fp8(clamp(x / s))
+ * fp8() rounds to nearest even and saturates to +-448 (cvt ... satfinite);
+ * clamp() keeps NaN, which encodes as 0x7f. amax is the largest |x| that is
+ * not NaN (0 when there is none): NaN inputs do not move the scale. */
+#ifndef MOE_EXT_CUDA_FP8_CUH
+#define MOE_EXT_CUDA_FP8_CUH
+
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+#include "experts.cuh"
+
+namespace {
+
+constexpr float kFp8Max = 448.0f;
+constexpr int kFp8Block = MX_FP8_BLOCK; /* 128: K slice of a block scale, activation group */
+
+__device__ __forceinline__ uint8_t mx_fp8_encode(float v)
+{
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+/* clamp to [-448, 448]; NaN passes through (fminf/fmaxf would drop it) */
+__device__ __forceinline__ float mx_fp8_clamp(float v)
+{
+    return v < -kFp8Max ? -kFp8Max : (v > kFp8Max ? kFp8Max : v);
+}
+
+__device__ __forceinline__ float mx_fp8_tensor_scale(float amax)
+{
+    return fmaxf(__fdiv_rn(amax, kFp8Max), static_cast<float>(1.0 / (448.0 * 512.0)));
+}
+
+__device__ __forceinline__ float mx_fp8_block_scale(float amax, int ue8m0)
+{
+    float sf = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8Max);
+    if (ue8m0) {
+        /* sf = m * 2^e with m in [0.5, 1): ceil(log2 sf) is e, or e - 1 when
+         * sf is a power of two (m == 0.5); exact, unlike log2f */
+        int e;
+        const float m = frexpf(sf, &e);
+        sf = ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+    }
+    return sf;
+}
+
+__device__ __forceinline__ float mx_fp8_group_scale(float amax)
+{
+    return __fdiv_rn(fmaxf(amax, 1e-10f), kFp8Max);
+}
+
+__device__ __forceinline__ float mx_warp_max(float v)
+{
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+/* amax of non-negative, non-NaN floats as their bits: unsigned order is
+ * float order there, so atomicMax on the bits is the float maximum (and
+ * order-independent, hence deterministic). */
+__device__ __forceinline__ void mx_atomic_amax(uint32_t *amax_bits, float v)
+{
+    atomicMax(reinterpret_cast<unsigned int *>(amax_bits), __float_as_uint(v));
+}
+
+} /* namespace */
+
+/* Which rows of a matrix a pipeline quantizer looks at. */
+typedef enum mx_fp8_rows {
+    MX_FP8_ROWS_ALL = 0,    /* every row */
+    MX_FP8_ROWS_ROUTED = 1, /* row t = token t, kept when one of its slots has a local expert */
+    MX_FP8_ROWS_SORTED = 2, /* row s = sorted position, kept when s < num_tiles * block_m and sorted_ids[s] >= 0 */
+} mx_fp8_rows;
+
+typedef struct mx_fp8_row_filter {
+    mx_fp8_rows mode;
+    const int32_t *topk_ids;   /* ROUTED: [rows, top_k] */
+    const int32_t *expert_map; /* ROUTED: [global_experts] or NULL */
+    int top_k;
+    int64_t global_experts, local_experts;
+    const int32_t *sorted_ids; /* SORTED: [rows] */
+    const int32_t *num_tiles;  /* SORTED: [1] (device) */
+    int block_m;
+} mx_fp8_row_filter;
+
+/* What one FP8 GEMM launch computes; the first four mirror mx_gemm_kind. */
+typedef enum mx_fp8_gemm_kind {
+    MX_FP8_GEMM_GATE_UP = MX_GEMM_GATE_UP,
+    MX_FP8_GEMM_GATE_UP_INTERLEAVED = MX_GEMM_GATE_UP_INTERLEAVED,
+    MX_FP8_GEMM_UP = MX_GEMM_UP,
+    MX_FP8_GEMM_DOWN = MX_GEMM_DOWN,
+    MX_FP8_GEMM_LINEAR = 4, /* dense layer: identity rows, one "expert", out = a @ w.T (+ bias) in out_dtype */
+} mx_fp8_gemm_kind;
+
+/* Arguments of an FP8 grouped GEMM launch (grouped_gemm_fp8.cuh). Rows are
+ * sorted positions s as in mx_gemm_args; with sorted_ids == NULL (LINEAR)
+ * row s is row s of a and of out, for s < rows. */
+typedef struct mx_fp8_gemm_args {
+    const uint8_t *a;           /* fp8 [*, lda]: GEMM1 rows by token (pair / top_k), GEMM2 by s, LINEAR by row;
+                                   16-byte aligned, zero from column k to the next multiple of 16 */
+    int64_t lda;                /* multiple of 16 */
+    const float *a_scale;       /* TENSOR: [1]; BLOCK: [*, a_scale_ld], row as for a */
+    int64_t a_scale_ld;         /* BLOCK: ceil(k / 128) */
+    const uint8_t *w;           /* fp8 [E_local, n_rows, k] row-major */
+    const float *w_scale;       /* TENSOR: [E_local]; BLOCK: [E_local, ceil(n_rows / 128), ceil(k / 128)] */
+    const void *bias;           /* [E_local, n_rows] in out_dtype, or NULL */
+    int64_t n_rows, k, out_cols;
+    const int32_t *sorted_ids;  /* [rows_max] pair or -1; NULL for LINEAR */
+    const int32_t *tile_expert; /* [tiles] */
+    const int32_t *num_tiles;   /* [1] (device) */
+    int64_t rows;               /* LINEAR: rows of a and out */
+    const float *topk_weights;  /* [M, top_k] (GEMM2 epilogue) */
+    int top_k;
+    int activation;             /* mx_activation */
+    float swiglu_alpha, swiglu_limit;
+    int scale_by_weight;        /* GEMM2: multiply by topk_weights[pair] */
+    mx_dtype out_dtype;         /* act dtype: GEMM1 / LINEAR output and bias dtype */
+    void *out;                  /* GEMM1: act [rows_max, ldo]; GEMM2: y f32 [splits][M k, ldo]; LINEAR: [rows, ldo] */
+    int64_t ldo;
+    int vec_out;                /* 1: out rows and base allow 4-element vector stores */
+    uint32_t *amax;             /* GEMM1 with TENSOR: atomicMax of |act| float bits (reset earlier in the stream) */
+    int m_tile_base;            /* set by the launcher */
+    int k_splits;               /* GEMM2 split-K (grid z) */
+    int64_t k_split_len;        /* multiple of 128, >= k when k_splits == 1 */
+    int64_t out_split_stride;   /* elements between y slices */
+} mx_fp8_gemm_args;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* fp8_quant.cu: quantizers of the FP8 pipelines. x [rows, ldx] in dt (F32 /
+ * F16 / BF16), q [rows, ldq] float8_e4m3fn with columns [cols, ldq) zeroed;
+ * rows the filter rejects are neither read nor written.
+ * Per tensor, in two launches: mx_cuda_fp8_rows_amax writes the amax of each
+ * of its mx_fp8_amax_parts(rows) blocks to partials (and zeroes *reset, when
+ * given, for a later atomic amax), mx_cuda_fp8_rows_quant_tensor takes the
+ * amax from partials (or, with partials == NULL, from *amax_bits), writes
+ * the scale to *scale and quantizes. Per group: one launch, scales [rows,
+ * scale_ld], group columns per scale. */
+int mx_fp8_amax_parts(int64_t rows);
+mx_status mx_cuda_fp8_rows_amax(const void *x, mx_dtype dt, int64_t rows, int64_t cols, int64_t ldx,
+                                const mx_fp8_row_filter *filter, float *partials, uint32_t *reset,
+                                cudaStream_t stream);
+mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, int64_t rows, int64_t cols, int64_t ldx,
+                                        const mx_fp8_row_filter *filter, const float *partials,
+                                        const uint32_t *amax_bits, uint8_t *q, int64_t ldq, float *scale,
+                                        cudaStream_t stream);
+mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, int64_t rows, int64_t cols, int64_t ldx,
+                                       int group, const mx_fp8_row_filter *filter, uint8_t *q, int64_t ldq,
+                                       float *scales, int64_t scale_ld, cudaStream_t stream);
+
+/* grouped_gemm_fp8.cu: the expert kinds (GATE_UP .. DOWN). tile_config is
+ * an mx_fp8_tile_config (gemm_configs_fp8.cuh); aligned_w: w rows and base
+ * allow 16-byte loads (else only MX_FP8_TILE_MID is compiled). */
+mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_fp8_gemm_kind kind, mx_quant quant,
+                                   int tile_config, int aligned_w, int64_t m_tiles, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EXT_CUDA_FP8_CUH */

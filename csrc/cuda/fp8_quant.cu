@@ -1,0 +1,388 @@
+/* FP8 quantizers (numerics.md "FP8"; formulas and NaN rule in fp8.cuh):
+ * mx_cuda_fp8_quant (abi.h) and the row quantizers of the FP8 pipelines.
+ *
+ * Operands: x in float32 / float16 / bfloat16 (converted to float32
+ * exactly), q float8_e4m3fn bytes, scales float32; all row-major.
+ *
+ * mx_cuda_fp8_quant, by mode (no workspace; nothing read back to the host):
+ *   PER_TENSOR       x [batch, n] (n = rows * cols), scale [batch]. Unless
+ *                    scale_given: scale[] is zeroed (cudaMemsetAsync) and
+ *                    used as scratch for the amax bits (atomicMax: the max is
+ *                    order-independent, so deterministic); the quantize pass
+ *                    derives the scale from those bits; a last launch
+ *                    overwrites them with the scale. Grid: (chunks of a
+ *                    slice, slices), 256 threads, grid-stride.
+ *   PER_BLOCK        x [batch, rows, cols], one CTA per block_rows x
+ *                    block_cols block (grid-stride over blocks): amax pass
+ *                    and quantize pass over the block (the second from L1 /
+ *                    L2), scale [batch, ceil(rows/br), ceil(cols/bc)].
+ *   PER_TOKEN_GROUP  x [batch * rows, cols], one warp per (row, group of
+ *                    block_cols columns): warp-max, then quantize; scale
+ *                    [batch * rows, ceil(cols/bc)].
+ * Pipeline row quantizers (declared in fp8.cuh): the same per-tensor and
+ * per-group formulas over rows of a strided matrix with a row filter, q rows
+ * padded with zeros to ldq; the per-tensor amax in block partials (no reset
+ * needed, deterministic) or in an atomic amax written by GEMM1's epilogue. */
+#include <string.h>
+
+#include <type_traits>
+
+#include "common.cuh"
+#include "fp8.cuh"
+
+namespace {
+
+constexpr int kQuantThreads = 256;
+constexpr int kAmaxParts = 1024; /* blocks (and partial maxima) of the pipeline amax pass */
+
+/* max over the block of v (256 threads), returned to every thread;
+ * callable repeatedly in one kernel. */
+__device__ __forceinline__ float block_max(float v)
+{
+    __shared__ float warp_max[kQuantThreads / 32];
+    v = mx_warp_max(v);
+    if ((threadIdx.x & 31) == 0)
+        warp_max[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float m = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < kQuantThreads / 32; ++w)
+        m = fmaxf(m, warp_max[w]);
+    __syncthreads(); /* everyone has read warp_max before the next call writes it */
+    return m;
+}
+
+__device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t row)
+{
+    if (f.mode == MX_FP8_ROWS_ROUTED) {
+        for (int j = 0; j < f.top_k; ++j)
+            if (mx_local_expert(f.topk_ids, f.expert_map, row * f.top_k + j, f.global_experts, f.local_experts) >= 0)
+                return true;
+        return false;
+    }
+    if (f.mode == MX_FP8_ROWS_SORTED)
+        return row < static_cast<int64_t>(*f.num_tiles) * f.block_m && f.sorted_ids[row] >= 0;
+    return true;
+}
+
+/* ---- mx_cuda_fp8_quant: PER_TENSOR ------------------------------------------ */
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    tensor_amax_kernel(const T *__restrict__ x, int64_t batch, int64_t n, uint32_t *__restrict__ amax_bits)
+{
+    for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+        const T *xb = x + b * n;
+        float m = 0.0f;
+        for (int64_t i = blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x; i < n;
+             i += static_cast<int64_t>(gridDim.x) * kQuantThreads)
+            m = fmaxf(m, fabsf(mx_to_float(xb[i])));
+        m = block_max(m);
+        if (threadIdx.x == 0 && m > 0.0f)
+            mx_atomic_amax(amax_bits + b, m);
+    }
+}
+
+/* scale[b] is the scale itself (scale_given) or the amax bits */
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    tensor_quant_kernel(const T *__restrict__ x, int64_t batch, int64_t n, const float *__restrict__ scale,
+                        int scale_given, uint8_t *__restrict__ q)
+{
+    for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+        const float s = scale_given ? scale[b] : mx_fp8_tensor_scale(scale[b]);
+        const float inv = __fdiv_rn(1.0f, s);
+        for (int64_t i = blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x; i < n;
+             i += static_cast<int64_t>(gridDim.x) * kQuantThreads)
+            q[b * n + i] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[b * n + i]), inv)));
+    }
+}
+
+__global__ void __launch_bounds__(kQuantThreads) tensor_scale_kernel(float *scale, int64_t batch)
+{
+    const int64_t b = blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x;
+    if (b < batch)
+        scale[b] = mx_fp8_tensor_scale(scale[b]); /* scale[b] holds the amax (its bits were the atomic's) */
+}
+
+/* ---- mx_cuda_fp8_quant: PER_BLOCK ------------------------------------------- */
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    block_quant_kernel(const T *__restrict__ x, int64_t batch, int64_t rows, int64_t cols, int br, int bc,
+                       int ue8m0, uint8_t *__restrict__ q, float *__restrict__ scale)
+{
+    const int64_t nbr = (rows + br - 1) / br, nbc = (cols + bc - 1) / bc;
+    for (int64_t blk = blockIdx.x; blk < batch * nbr * nbc; blk += gridDim.x) {
+        const int64_t b = blk / (nbr * nbc), bi = blk / nbc % nbr, bj = blk % nbc;
+        const int64_t r0 = bi * br, c0 = bj * bc;
+        const int h = static_cast<int>(rows - r0 < br ? rows - r0 : br);
+        const int w = static_cast<int>(cols - c0 < bc ? cols - c0 : bc);
+        const T *xb = x + (b * rows + r0) * cols + c0;
+        uint8_t *qb = q + (b * rows + r0) * cols + c0;
+        float m = 0.0f;
+        for (int r = 0; r < h; ++r)
+            for (int c = threadIdx.x; c < w; c += kQuantThreads)
+                m = fmaxf(m, fabsf(mx_to_float(xb[r * cols + c])));
+        const float sf = mx_fp8_block_scale(block_max(m), ue8m0);
+        const float inv = __fdiv_rn(1.0f, sf);
+        for (int r = 0; r < h; ++r)
+            for (int c = threadIdx.x; c < w; c += kQuantThreads)
+                qb[r * cols + c] = mx_fp8_encode(__fmul_rn(mx_to_float(xb[r * cols + c]), inv));
+        if (threadIdx.x == 0)
+            scale[blk] = sf;
+    }
+}
+
+/* ---- per token group (mx_cuda_fp8_quant and the pipelines) ------------------- */
+
+/* grid: x = groups of 8 column groups (one per warp), y = rows (stride) */
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    group_quant_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int group,
+                       const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq, float *__restrict__ scales,
+                       int64_t scale_ld)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t groups = (cols + group - 1) / group;
+    const int64_t gi = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5);
+    if (gi >= groups)
+        return;
+    const int64_t c0 = gi * group, c1 = cols - c0 < group ? cols : c0 + group;
+    for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+        if (!row_valid(f, row))
+            continue;
+        const T *xr = x + row * ldx;
+        uint8_t *qr = q + row * ldq;
+        float m = 0.0f;
+        for (int64_t c = c0 + lane; c < c1; c += 32)
+            m = fmaxf(m, fabsf(mx_to_float(xr[c])));
+        const float s = mx_fp8_group_scale(mx_warp_max(m));
+        for (int64_t c = c0 + lane; c < c1; c += 32)
+            qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
+        if (gi == groups - 1)
+            for (int64_t c = cols + lane; c < ldq; c += 32)
+                qr[c] = 0;
+        if (lane == 0)
+            scales[row * scale_ld + gi] = s;
+    }
+}
+
+/* ---- pipeline per tensor ------------------------------------------------------ */
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
+                     float *__restrict__ partials, uint32_t *reset)
+{
+    float m = 0.0f;
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        if (!row_valid(f, row))
+            continue;
+        for (int64_t c = threadIdx.x; c < cols; c += kQuantThreads)
+            m = fmaxf(m, fabsf(mx_to_float(x[row * ldx + c])));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = m;
+        if (reset && blockIdx.x == 0)
+            *reset = 0u;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    rows_quant_tensor_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
+                             const mx_fp8_row_filter f, const float *__restrict__ partials, int parts,
+                             const uint32_t *__restrict__ amax_bits, uint8_t *__restrict__ q, int64_t ldq,
+                             float *__restrict__ scale)
+{
+    __shared__ float inv_scale;
+    if (threadIdx.x < 32) {
+        float m = 0.0f;
+        if (partials) {
+            for (int i = threadIdx.x; i < parts; i += 32)
+                m = fmaxf(m, partials[i]);
+            m = mx_warp_max(m);
+        } else {
+            m = __uint_as_float(*amax_bits);
+        }
+        if (threadIdx.x == 0) {
+            const float s = mx_fp8_tensor_scale(m);
+            inv_scale = __fdiv_rn(1.0f, s);
+            if (blockIdx.x == 0)
+                *scale = s;
+        }
+    }
+    __syncthreads();
+    const float inv = inv_scale;
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        if (!row_valid(f, row))
+            continue;
+        for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
+            q[row * ldq + c] = c < cols ? mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[row * ldx + c]), inv)))
+                                        : static_cast<uint8_t>(0);
+    }
+}
+
+/* ---- dispatch ------------------------------------------------------------------- */
+
+int64_t grid_cap(int64_t want, int64_t cap) { return want < 1 ? 1 : (want < cap ? want : cap); }
+
+mx_fp8_row_filter all_rows()
+{
+    mx_fp8_row_filter f;
+    memset(&f, 0, sizeof f);
+    f.mode = MX_FP8_ROWS_ALL;
+    return f;
+}
+
+template <typename T> mx_status quant_abi(const mx_fp8_quant_problem *p, cudaStream_t stream)
+{
+    const T *x = static_cast<const T *>(p->x);
+    switch (p->mode) {
+    case MX_FP8_PER_TENSOR: {
+        const int64_t n = p->rows * p->cols;
+        const unsigned slices = static_cast<unsigned>(grid_cap(p->batch, 65535));
+        /* ~16 elements per thread, at most ~8K blocks in all */
+        const unsigned chunks = static_cast<unsigned>(
+            grid_cap(mx_ceil_div(n, 16 * kQuantThreads), grid_cap(8192 / static_cast<int64_t>(slices), 8192)));
+        const dim3 grid(chunks, slices);
+        if (!p->scale_given) {
+            mx_status st = mx_check_call(cudaMemsetAsync(p->scale, 0, sizeof(float) * p->batch, stream),
+                                         "fp8_quant: cudaMemsetAsync(scale)");
+            if (st.code != MX_OK)
+                return st;
+            if (n > 0) {
+                tensor_amax_kernel<T><<<grid, kQuantThreads, 0, stream>>>(x, p->batch, n,
+                                                                          reinterpret_cast<uint32_t *>(p->scale));
+                st = mx_check_launch("tensor_amax_kernel");
+                if (st.code != MX_OK)
+                    return st;
+            }
+        }
+        if (n > 0) {
+            tensor_quant_kernel<T><<<grid, kQuantThreads, 0, stream>>>(x, p->batch, n, p->scale, p->scale_given, p->q);
+            mx_status st = mx_check_launch("tensor_quant_kernel");
+            if (st.code != MX_OK)
+                return st;
+        }
+        if (p->scale_given)
+            return mx_status_ok();
+        tensor_scale_kernel<<<static_cast<unsigned>(mx_ceil_div(p->batch, kQuantThreads)), kQuantThreads, 0, stream>>>(
+            p->scale, p->batch);
+        return mx_check_launch("tensor_scale_kernel");
+    }
+    case MX_FP8_PER_BLOCK: {
+        const int64_t blocks = p->batch * mx_ceil_div(p->rows, p->block_rows) * mx_ceil_div(p->cols, p->block_cols);
+        block_quant_kernel<T><<<static_cast<unsigned>(grid_cap(blocks, 1 << 20)), kQuantThreads, 0, stream>>>(
+            x, p->batch, p->rows, p->cols, p->block_rows, p->block_cols, p->use_ue8m0, p->q, p->scale);
+        return mx_check_launch("block_quant_kernel");
+    }
+    case MX_FP8_PER_TOKEN_GROUP: {
+        const mx_fp8_row_filter all = all_rows();
+        return mx_cuda_fp8_rows_quant_group(x, p->dtype, p->batch * p->rows, p->cols, p->cols, p->block_cols, &all,
+                                            p->q, p->cols, p->scale, mx_ceil_div(p->cols, p->block_cols), stream);
+    }
+    }
+    return mx_status_fail(MX_ERR_VALUE, "fp8_quant (CUDA): unknown mode %d", (int)p->mode);
+}
+
+} /* namespace */
+
+extern "C" mx_status mx_cuda_fp8_quant(const mx_fp8_quant_problem *p, void *stream_ptr)
+{
+    if (p->mode != MX_FP8_PER_TENSOR && p->mode != MX_FP8_PER_BLOCK && p->mode != MX_FP8_PER_TOKEN_GROUP)
+        return mx_status_fail(MX_ERR_VALUE, "fp8_quant (CUDA): unknown mode %d", (int)p->mode);
+    if (p->dtype != MX_F32 && p->dtype != MX_F16 && p->dtype != MX_BF16)
+        return mx_status_fail(MX_ERR_TYPE, "fp8_quant (CUDA): x dtype %s; supported: float32, float16, bfloat16",
+                              mx_dtype_name(p->dtype));
+    if (p->batch < 0 || p->rows < 0 || p->cols < 0)
+        return mx_status_fail(MX_ERR_VALUE, "fp8_quant (CUDA): negative size (batch=%lld rows=%lld cols=%lld)",
+                              (long long)p->batch, (long long)p->rows, (long long)p->cols);
+    if ((p->mode == MX_FP8_PER_BLOCK && (p->block_rows < 1 || p->block_cols < 1)) ||
+        (p->mode == MX_FP8_PER_TOKEN_GROUP && p->block_cols < 1))
+        return mx_status_fail(MX_ERR_VALUE, "fp8_quant (CUDA): block sizes must be >= 1 (block_rows=%d block_cols=%d)",
+                              p->block_rows, p->block_cols);
+    const int64_t elements = p->batch * p->rows * p->cols;
+    /* PER_TENSOR writes a scale per slice even when the slices are empty */
+    const bool writes_scale = p->mode == MX_FP8_PER_TENSOR ? p->batch > 0 && !p->scale_given : elements > 0;
+    if ((elements > 0 && (!p->x || !p->q)) || ((writes_scale || (elements > 0 && p->scale_given)) && !p->scale))
+        return mx_status_fail(MX_ERR_VALUE, "fp8_quant (CUDA): x, q or scale is NULL");
+    if (elements == 0 && !writes_scale)
+        return mx_status_ok();
+    if (p->mode == MX_FP8_PER_BLOCK &&
+        p->batch * mx_ceil_div(p->rows, p->block_rows) * mx_ceil_div(p->cols, p->block_cols) > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "fp8_quant (CUDA): too many blocks");
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    switch (p->dtype) {
+    case MX_F16: return quant_abi<__half>(p, stream);
+    case MX_BF16: return quant_abi<__nv_bfloat16>(p, stream);
+    default: return quant_abi<float>(p, stream);
+    }
+}
+
+/* ---- pipeline entry points (fp8.cuh) ------------------------------------------- */
+
+namespace {
+
+template <typename Fn> mx_status by_dtype(mx_dtype dt, Fn fn)
+{
+    switch (dt) {
+    case MX_BF16: return fn(static_cast<const __nv_bfloat16 *>(nullptr));
+    case MX_F16: return fn(static_cast<const __half *>(nullptr));
+    case MX_F32: return fn(static_cast<const float *>(nullptr));
+    default: break;
+    }
+    return mx_status_fail(MX_ERR_TYPE, "fp8 row quantizer: dtype %s", mx_dtype_name(dt));
+}
+
+} /* namespace */
+
+extern "C" int mx_fp8_amax_parts(int64_t rows) { return static_cast<int>(grid_cap(rows, kAmaxParts)); }
+
+extern "C" mx_status mx_cuda_fp8_rows_amax(const void *x, mx_dtype dt, int64_t rows, int64_t cols, int64_t ldx,
+                                           const mx_fp8_row_filter *filter, float *partials, uint32_t *reset,
+                                           cudaStream_t stream)
+{
+    const unsigned blocks = static_cast<unsigned>(mx_fp8_amax_parts(rows));
+    return by_dtype(dt, [&](auto tag) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        rows_amax_kernel<T><<<blocks, kQuantThreads, 0, stream>>>(static_cast<const T *>(x), rows, cols, ldx, *filter,
+                                                                  partials, reset);
+        return mx_check_launch("rows_amax_kernel");
+    });
+}
+
+extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, int64_t rows, int64_t cols,
+                                                   int64_t ldx, const mx_fp8_row_filter *filter,
+                                                   const float *partials, const uint32_t *amax_bits, uint8_t *q,
+                                                   int64_t ldq, float *scale, cudaStream_t stream)
+{
+    const int parts = mx_fp8_amax_parts(rows);
+    const unsigned blocks = static_cast<unsigned>(grid_cap(rows, 4096));
+    return by_dtype(dt, [&](auto tag) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        rows_quant_tensor_kernel<T><<<blocks, kQuantThreads, 0, stream>>>(
+            static_cast<const T *>(x), rows, cols, ldx, *filter, partials, parts, amax_bits, q, ldq, scale);
+        return mx_check_launch("rows_quant_tensor_kernel");
+    });
+}
+
+extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, int64_t rows, int64_t cols,
+                                                  int64_t ldx, int group, const mx_fp8_row_filter *filter,
+                                                  uint8_t *q, int64_t ldq, float *scales, int64_t scale_ld,
+                                                  cudaStream_t stream)
+{
+    const int64_t col_blocks = mx_ceil_div(mx_ceil_div(cols, group), kQuantThreads / 32);
+    if (col_blocks > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "group_quant_kernel: %lld columns in groups of %d exceed the grid",
+                              (long long)cols, group);
+    const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
+    return by_dtype(dt, [&](auto tag) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        group_quant_kernel<T><<<grid, kQuantThreads, 0, stream>>>(static_cast<const T *>(x), rows, cols, ldx, group,
+                                                                    *filter, q, ldq, scales, scale_ld);
+        return mx_check_launch("group_quant_kernel");
+    });
+}

@@ -1,0 +1,124 @@
+/* Tile configurations of the FP8 grouped GEMM (grouped_gemm_fp8.cuh), sm_80
+ * .. sm_90, and the rules that pick one. Every compiled config is listed
+ * here with its reason.
+ *
+ * kBlockK is 128 for all: one 128-byte row of float8 elements per tile row
+ * (eight 16-byte chunks, XOR-swizzled by row % 8 exactly like the 16-bit
+ * kernels' 64-element rows), and one 128-wide K block of the block scales,
+ * so each k tile is one scale-promotion step. block_m is also the segment
+ * padding of moe_align: GEMM1 and GEMM2 of a forward use one config. */
+#ifndef MOE_EXT_CUDA_GEMM_CONFIGS_FP8_CUH
+#define MOE_EXT_CUDA_GEMM_CONFIGS_FP8_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS_TENSOR, int MIN_BLOCKS_BLOCK,
+          int M_ON_X>
+struct mx_fp8_tile_shape {
+    static constexpr int kBlockM = BM;        /* rows (sorted pairs) per CTA */
+    static constexpr int kBlockN = BN;        /* weight rows per CTA (gate + up halves for gated GEMM1) */
+    static constexpr int kBlockK = 128;       /* bytes = elements; one scale block of K */
+    static constexpr int kWarpsM = WARPS_M;
+    static constexpr int kWarpsN = WARPS_N;
+    static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+    static constexpr int kStages = STAGES;    /* cp.async pipeline depth */
+    /* CTAs per SM we ask registers for: the block-scale kernels hold a second
+     * accumulator set (the current k slice), so they may need more registers */
+    static constexpr int kMinBlocksTensor = MIN_BLOCKS_TENSOR;
+    static constexpr int kMinBlocksBlock = MIN_BLOCKS_BLOCK;
+    static constexpr int kMOnX = M_ON_X;      /* 1: m tiles on grid x */
+    static constexpr int kLdc = BN + 8;       /* float32 epilogue tile row (+8: conflict-free float2 stores) */
+    static constexpr size_t kPipeBytes = size_t(STAGES) * (BM + BN) * 128;
+    static constexpr size_t kScaleBytes = size_t(STAGES) * (BM + BN) * 4; /* block scales of each stage */
+    static constexpr size_t kEpilogueBytes = size_t(BM) * kLdc * 4;
+    static constexpr size_t kSmemBytes =
+        kPipeBytes + kScaleBytes > kEpilogueBytes ? kPipeBytes + kScaleBytes : kEpilogueBytes;
+
+    static_assert(BM % (16 * WARPS_M) == 0, "each warp covers whole 16-row mma fragments");
+    static_assert(BN % (16 * WARPS_N) == 0, "each warp covers pairs of 8-column fragments (ldmatrix.x4)");
+    static_assert((BM * 8) % kThreads == 0 && (BN * 8) % kThreads == 0,
+                  "every thread loads the same number of 16-byte chunks per stage");
+    static_assert(BN % 8 == 0, "gated tiles hold BN/2 gate and BN/2 up rows, in whole column quads");
+    static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit");
+};
+
+/* decode: few rows per expert; the layer streams weights. 16-row tiles
+ * waste little on padding, 128-row weight slices of 16 KB per stage give
+ * many CTAs; 3 stages x 3 CTAs keep ~100 KB of weights in flight per SM.
+ * m tiles on grid x. 57 KB of shared memory. Measured against it (H200,
+ * .cudatest/fp8_test stage breakdown, 2026-11-22): 16x128 with 5 stages at
+ * 2 CTAs/SM streams GEMM1 faster when the grid is small (M = 1: Mixtral
+ * 66 vs 87 us, 3.5 vs 2.7 TB/s; DeepSeek GEMM2 40 vs 51 us) but is 13-16%
+ * slower at M = 64; 16x64 tiles are within +-10% either way. A rule for a
+ * second decode config (e.g. pairs <= E_local) is the open next step. */
+typedef mx_fp8_tile_shape<16, 128, 1, 4, 3, 3, 3, 1> mx_fp8_tile_decode;
+/* mid: tens of rows per expert: 64x128 tiles, 4 warps of 32x64, 4 stages,
+ * 101 KB, 2 CTAs/SM. Also the only config compiled for weights whose rows
+ * do not allow 16-byte loads (K % 16 != 0). */
+typedef mx_fp8_tile_shape<64, 128, 2, 2, 4, 2, 2, 0> mx_fp8_tile_mid;
+/* large: hundreds of rows per expert: 128x128 tiles, 8 warps of 64x32,
+ * 3 stages, 101 KB, 2 CTAs/SM with per-tensor scales (one accumulator set)
+ * and 1 CTA/SM with block scales (two sets do not fit 128 registers).
+ * Measured against it (H200, M = 16384): 128x256 and 256x128 tiles (64x64
+ * warp tiles, 1 CTA/SM) within 2% on Mixtral and 20% slower on Qwen3-MoE
+ * (TENSOR); 4 stages at 1 CTA/SM 3-10% slower; with block scales mid
+ * (64x128) is 6% faster on DeepSeek-V3 and equal on Mixtral. The mma.sync
+ * path tops out near 400 TFLOP/s here (f16 HMMA + conversions, see
+ * grouped_gemm_fp8.cuh); Hopper's FP8 rate needs wgmma. */
+typedef mx_fp8_tile_shape<128, 128, 2, 4, 3, 2, 1, 0> mx_fp8_tile_large;
+
+enum mx_fp8_tile_config {
+    MX_FP8_TILE_DECODE = 0,
+    MX_FP8_TILE_MID = 1,
+    MX_FP8_TILE_LARGE = 2,
+};
+
+static inline int mx_fp8_tile_block_m(int config)
+{
+    return config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
+         : config == MX_FP8_TILE_MID   ? mx_fp8_tile_mid::kBlockM
+                                       : mx_fp8_tile_decode::kBlockM;
+}
+
+/* Rule: the expected rows per local expert, rows / E_local (routing close
+ * to uniform), decides, with the thresholds of the 16-bit kernels (under
+ * 32 rows: decode; under 96: mid; beyond: large). Weights that need the
+ * byte-wise loader (aligned_w == 0) always get mid, the one config compiled
+ * for them. The thresholds are the 16-bit kernels'; on H200 they picked the
+ * fastest of decode / mid / large at every measured point (Qwen3-MoE and
+ * DeepSeek-V3 at M = 1024: mid, 10-90% ahead of the others). */
+static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts, int aligned_w)
+{
+    const int64_t e = local_experts > 0 ? local_experts : 1;
+    if (!aligned_w)
+        return MX_FP8_TILE_MID;
+    if (rows < 32 * e)
+        return MX_FP8_TILE_DECODE;
+    if (rows < 96 * e)
+        return MX_FP8_TILE_MID;
+    return MX_FP8_TILE_LARGE;
+}
+
+/* Split-K of GEMM2 (decode config only): with few experts the grid has
+ * too few CTAs to stream the weights (Mixtral at M = 1: 2 experts x 32
+ * n tiles), so K is cut into slices whose float32 partials moe_sum adds.
+ * Add slices while the worst-case grid has under 256 CTAs, up to 8, each of
+ * at least 3 k tiles (384 columns). Returns the slice count; *split_len
+ * gets the slice length (a multiple of 128: whole scale blocks). */
+static inline int mx_fp8_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
+                                            int64_t *split_len)
+{
+    const int64_t k_tiles = (inter + 127) / 128;
+    int64_t splits = 1;
+    if (config == MX_FP8_TILE_DECODE) {
+        const int64_t ctas = m_tiles * ((hidden + mx_fp8_tile_decode::kBlockN - 1) / mx_fp8_tile_decode::kBlockN);
+        while (splits < 8 && ctas * splits < 256 && k_tiles / (splits + 1) >= 3)
+            ++splits;
+    }
+    const int64_t tiles_per_split = (k_tiles + splits - 1) / splits;
+    *split_len = tiles_per_split * 128;
+    return static_cast<int>((k_tiles + tiles_per_split - 1) / tiles_per_split);
+}
+
+#endif /* MOE_EXT_CUDA_GEMM_CONFIGS_FP8_CUH */

@@ -1,0 +1,866 @@
+/* Grouped GEMM for Hopper (sm_90a): TMA -> 128B-swizzled shared memory ->
+ * wgmma, warp-specialized, persistent. Included by grouped_gemm_bf16_sm90.cu
+ * and grouped_gemm_fp16_sm90.cu, which instantiate it for one dtype each.
+ *
+ * Operands (row-major, K contiguous, 16-bit T = bf16 or fp16):
+ *   A  [rows, K] by sorted row s. GEMM2: act [rows_max, ld_act] as written by
+ *      GEMM1. GEMM1: the token gather x[pair / top_k] cannot be a tensor map,
+ *      so sm90_gather_rows_kernel first copies the rows into a contiguous
+ *      [rows_max, H] buffer (one extra pass of M * top_k * H * 2 bytes: about
+ *      1-5% of the GEMM's time at the sizes this path is chosen for).
+ *   W  [E_local, n_rows, K]: w13 or w2, one 3-D tensor map, so the rows of
+ *      one expert past n_rows read as zero.
+ *   Both maps: box = 64 K-elements (128 bytes, the swizzle span) x rows,
+ *   CU_TENSOR_MAP_SWIZZLE_128B; columns past K are zero-filled by the TMA.
+ * Tiling: CTA tile kBlockM (128) x kBlockN (256) x 64; the kBlockN weight
+ * rows arrive as two boxes of kBlockN/2 rows. For MX_GEMM_GATE_UP the boxes
+ * are kBlockN/2 gate rows and the kBlockN/2 up rows of the same output
+ * columns, so act(gate) * up is formed in registers. Interleaved (swigluoai)
+ * tiles take kBlockN consecutive rows: accumulator columns 2i / 2i+1 are
+ * gate / up of output column i.
+ * Threads: 3 warpgroups. Warpgroups 0 and 1 (math, 232 registers each via
+ * setmaxnreg) own rows [0, 64) and [64, 128) of the tile and issue
+ * wgmma.m64n{kBlockN}k16 with both operands read from shared memory through
+ * descriptors; warpgroup 2 (40 registers) has one thread issuing the TMA
+ * loads. Pipeline: kStages slots of (A 16 KB, W kBlockN * 128 bytes), each
+ * with a full barrier (1 arrival + the transaction bytes) and an empty
+ * barrier (one arrival per math warp of the cluster, sent once the wgmmas
+ * reading the slot have retired: the math warpgroups keep one k-block of
+ * wgmma in flight).
+ * Clusters (kClusterM = 2): the two CTAs take m tiles 2u and 2u + 1 of the
+ * same n tile. When both tiles belong to one expert, CTA r loads weight box
+ * r once and multicasts it into both CTAs' slot (A stays per CTA), so each
+ * CTA pulls 32 instead of 48 KB per k block from L2; otherwise each loads
+ * both boxes itself. Either way every slot receives the same bytes, and a
+ * slot is refilled only when the math warps of both CTAs released it.
+ * Scheduling: persistent, one CTA per SM (grid = the co-resident clusters);
+ * a cluster walks units cluster, + clusters, ... of (m units in use) x
+ * n_tiles, read off the tile table moe_align wrote (*num_tiles,
+ * tile_expert) on the device, so nothing is read back to the host. Unit
+ * order: groups of kGroupM m units, m fastest inside a group, so that the
+ * CTAs running together share weight slices and A rows in L2. The producer
+ * runs ahead across tile boundaries, so the loads of the next tile overlap
+ * the epilogue of this one.
+ * Epilogue (registers -> global, no shared memory): the rows' pair indices
+ * and routing weights are loaded when the tile starts. wgmma's accumulator
+ * layout gives each thread rows r, r+8 and column pairs (8i + 2q, +1); GEMM1
+ * adds w13_bias, applies the activation and stores act dtype pairs (the
+ * interleaved kind first swaps values with the neighbouring lane to form
+ * pairs); GEMM2 adds w2_bias, multiplies by the routing weight and stores
+ * float32 pairs into y[pair] (32-byte row segments). Padding rows (sorted id
+ * -1), columns past out_cols and the phantom tile of an odd tile count are
+ * not stored.
+ *
+ * The launcher guarantees: tile tables from moe_align with block_m = 128;
+ * K, n_rows and the row strides multiples of 8 elements and A / W bases
+ * 16-byte aligned (TMA); no split-K. */
+#ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
+#define MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
+
+#include <cuda.h> /* CUtensorMap and its enums only; the driver entry is fetched through cudart */
+
+#include <atomic>
+#include <string.h>
+
+#include "common.cuh"
+#include "experts.cuh"
+#include "gemm_configs.cuh"
+#include "grouped_gemm_sm90.cuh"
+
+/* The kernel bodies exist only in the sm_90a pass (wgmma, setmaxnreg). */
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MX_SM90_DEVICE_PASS 1
+#else
+#define MX_SM90_DEVICE_PASS 0
+#endif
+
+namespace {
+
+/* ---- PTX helpers (sm_90) ----------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t sm90_smem_u32(const void *p)
+{
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+/* One arrival that also announces the bytes the TMA loads will deliver. */
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+/* Spin until the phase of parity `parity` has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+
+/* The same box into the same shared-memory offset of every CTA in cta_mask
+ * (cluster multicast); each destination's barrier at `bar` gets the bytes. */
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0,
+                                                      int c1, int c2, uint16_t cta_mask)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%4, %5, %6}], [%2], %3;\n"
+                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "h"(cta_mask), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+
+/* Arrive on the barrier at the same offset in CTA `rank` of the cluster. */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
+{
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_cta_rank()
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+/* All threads of all CTAs of the cluster. */
+__device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap *map)
+{
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+/* wgmma shared-memory descriptor of a K-major operand in the 128B-swizzle
+ * layout the TMA writes: rows of 128 bytes, 8-row atoms of 1024 bytes
+ * (stride byte offset), leading byte offset unused (1), swizzle mode 1. The
+ * atoms are 1024-byte aligned, so the base offset field stays 0; stepping k
+ * by 16 elements adds 32 bytes to the start address. */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr)
+{
+    return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+           (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads or writes across the
+ * asynchronous wgmma instructions (it cannot see that they are in flight). */
+template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
+{
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* Generated: the accumulator lists of wgmma.m64n128k16 / m64n256k16. */
+#define MX_WGMMA_M64N128K16(TY)                                                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                                             \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                       \
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                           \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+#define MX_WGMMA_M64N256K16(TY)                                                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                     \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "               \
+                 "%128, %129, p, 1, 1, 0, 0;\n}\n"                                                                                 \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
+                   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
+                   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
+                   "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
+                   "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
+                   "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
+                   "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+                   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+template <typename T, int N> struct sm90_wgmma;
+template <> struct sm90_wgmma<__nv_bfloat16, 128> {
+    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N128K16("bf16");
+    }
+};
+template <> struct sm90_wgmma<__nv_bfloat16, 256> {
+    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N256K16("bf16");
+    }
+};
+template <> struct sm90_wgmma<__half, 128> {
+    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N128K16("f16");
+    }
+};
+template <> struct sm90_wgmma<__half, 256> {
+    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N256K16("f16");
+    }
+};
+
+/* ---- tile order ------------------------------------------------------------------ */
+
+/* Persistent work-unit index -> (m unit, n tile): groups of G m units (the
+ * last group shorter), m fastest inside a group. An m unit is kClusterM
+ * consecutive m tiles, one per CTA of the cluster. */
+template <int G> __device__ __forceinline__ void sm90_unit_coords(int unit, int num_mu, int n_tiles, int &mu, int &nt)
+{
+    const int group = unit / (G * n_tiles);
+    const int first = group * G;
+    const int rows = num_mu - first < G ? num_mu - first : G;
+    const int within = unit - group * G * n_tiles;
+    mu = first + within % rows;
+    nt = within / rows;
+}
+
+/* ---- epilogue ---------------------------------------------------------------------- */
+
+/* Accumulator fragment of one thread (wgmma m64nN, f32): acc[4i + e] is row
+ * r_lo + 8 * (e / 2), column 8i + 2q + (e % 2), q = lane % 4. */
+/* What the epilogue needs of the thread's two rows, loaded when the tile
+ * starts so that the loads' latency hides behind the mainloop. */
+struct sm90_rows {
+    int64_t s_lo;           /* sorted row of the thread's first row; the second is s_lo + 8 */
+    int32_t pair_lo, pair_hi; /* pair index, -1 = padding */
+    float w_lo, w_hi;       /* GEMM2 routing weights (1 when not scaling) */
+};
+
+template <int KIND>
+__device__ __forceinline__ sm90_rows sm90_load_rows(int64_t s_lo, const mx_gemm_args &g)
+{
+    sm90_rows r;
+    r.s_lo = s_lo;
+    r.pair_lo = g.sorted_ids[s_lo];
+    r.pair_hi = g.sorted_ids[s_lo + 8];
+    r.w_lo = r.w_hi = 1.0f;
+    if (KIND == MX_GEMM_DOWN && g.scale_by_weight) {
+        if (r.pair_lo >= 0)
+            r.w_lo = g.topk_weights[r.pair_lo];
+        if (r.pair_hi >= 0)
+            r.w_hi = g.topk_weights[r.pair_hi];
+    }
+    return r;
+}
+
+/* GEMM2: y[pair, col] = (acc + w2_bias[col]) * routing weight, float32. */
+template <typename T, typename Shape>
+__device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
+                                                int nt, int expert, const mx_gemm_args &g)
+{
+    constexpr int BN = Shape::kBlockN;
+    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    float *y_lo = static_cast<float *>(g.out) + static_cast<int64_t>(rows.pair_lo) * g.ldo;
+    float *y_hi = static_cast<float *>(g.out) + static_cast<int64_t>(rows.pair_hi) * g.ldo;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+        const int64_t col = static_cast<int64_t>(nt) * BN + 8 * i + 2 * q;
+        if (col >= g.out_cols)
+            continue;
+        const float b0 = bias ? mx_to_float(bias[col]) : 0.0f, b1 = bias ? mx_to_float(bias[col + 1]) : 0.0f;
+        if (rows.pair_lo >= 0)
+            *reinterpret_cast<float2 *>(y_lo + col) =
+                make_float2((acc[4 * i] + b0) * rows.w_lo, (acc[4 * i + 1] + b1) * rows.w_lo);
+        if (rows.pair_hi >= 0)
+            *reinterpret_cast<float2 *>(y_hi + col) =
+                make_float2((acc[4 * i + 2] + b0) * rows.w_hi, (acc[4 * i + 3] + b1) * rows.w_hi);
+    }
+}
+
+/* GEMM1: act[s, col] = ACT(acc + w13_bias) in act dtype. ACT is a
+ * compile-time mx_activation, so each instantiation is one straight run of
+ * code with no per-element branch on the activation. */
+template <typename T, typename Shape, int KIND, int ACT>
+__device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
+                                               int nt, int expert, const mx_gemm_args &g)
+{
+    constexpr int BN = Shape::kBlockN;
+    const int64_t oc = g.out_cols;
+    const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
+    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    T *act_lo = static_cast<T *>(g.out) + rows.s_lo * g.ldo;
+    T *act_hi = act_lo + 8 * g.ldo;
+    const bool lo = rows.pair_lo >= 0, hi = rows.pair_hi >= 0;
+    if (KIND == MX_GEMM_GATE_UP) {
+        constexpr int UP = BN / 16; /* the up rows start at fragment group BN / 16 */
+#pragma unroll
+        for (int i = 0; i < BN / 16; ++i) {
+            const int64_t col = static_cast<int64_t>(nt) * (BN / 2) + 8 * i + 2 * q;
+            if (col >= oc)
+                continue;
+            float bg0 = 0.0f, bg1 = 0.0f, bu0 = 0.0f, bu1 = 0.0f;
+            if (bias) {
+                bg0 = mx_to_float(bias[col]), bg1 = mx_to_float(bias[col + 1]);
+                bu0 = mx_to_float(bias[oc + col]), bu1 = mx_to_float(bias[oc + col + 1]);
+            }
+            const int u = 4 * (i + UP);
+            if (lo)
+                *reinterpret_cast<uint32_t *>(act_lo + col) =
+                    mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] + bg0, acc[u] + bu0, alpha, limit),
+                                mx_act_gated(ACT, acc[4 * i + 1] + bg1, acc[u + 1] + bu1, alpha, limit));
+            if (hi)
+                *reinterpret_cast<uint32_t *>(act_hi + col) =
+                    mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] + bg0, acc[u + 2] + bu0, alpha, limit),
+                                mx_act_gated(ACT, acc[4 * i + 3] + bg1, acc[u + 3] + bu1, alpha, limit));
+        }
+    } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
+        /* the thread's output column o = 4i + q; lanes q and q^1 swap so that
+         * the even lane stores row lo and the odd lane row hi, two columns each */
+        const bool even = (q & 1) == 0;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            const int64_t o = static_cast<int64_t>(nt) * (BN / 2) + 4 * i + q;
+            float bg = 0.0f, bu = 0.0f;
+            if (bias && o < oc)
+                bg = mx_to_float(bias[2 * o]), bu = mx_to_float(bias[2 * o + 1]);
+            const float v_lo = mx_act_gated(ACT, acc[4 * i] + bg, acc[4 * i + 1] + bu, alpha, limit);
+            const float v_hi = mx_act_gated(ACT, acc[4 * i + 2] + bg, acc[4 * i + 3] + bu, alpha, limit);
+            const float other = __shfl_xor_sync(0xffffffffu, even ? v_hi : v_lo, 1);
+            const int64_t col = even ? o : o - 1;
+            if (col >= oc || !(even ? lo : hi))
+                continue;
+            *reinterpret_cast<uint32_t *>((even ? act_lo : act_hi) + col) =
+                even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            const int64_t col = static_cast<int64_t>(nt) * BN + 8 * i + 2 * q;
+            if (col >= oc)
+                continue;
+            const float b0 = bias ? mx_to_float(bias[col]) : 0.0f, b1 = bias ? mx_to_float(bias[col + 1]) : 0.0f;
+            if (lo)
+                *reinterpret_cast<uint32_t *>(act_lo + col) =
+                    mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] + b0), mx_act_plain(ACT, acc[4 * i + 1] + b1));
+            if (hi)
+                *reinterpret_cast<uint32_t *>(act_hi + col) =
+                    mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] + b0), mx_act_plain(ACT, acc[4 * i + 3] + b1));
+        }
+    }
+}
+
+/* The epilogue of one tile, dispatched once per tile on the activation
+ * (only the pairs check_problem allows are instantiated: swigluoai with the
+ * interleaved kind, silu / gelu gated, relu2 / silu / gelu plain). */
+template <typename T, typename Shape, int KIND>
+__device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
+                                              int nt, int expert, const mx_gemm_args &g)
+{
+    if (KIND == MX_GEMM_DOWN) {
+        sm90_store_down<T, Shape>(acc, rows, q, nt, expert, g);
+    } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
+        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI>(acc, rows, q, nt, expert, g);
+    } else if (g.activation == MX_ACT_GELU) {
+        sm90_store_act<T, Shape, KIND, MX_ACT_GELU>(acc, rows, q, nt, expert, g);
+    } else if (KIND == MX_GEMM_UP && g.activation == MX_ACT_RELU2) {
+        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2>(acc, rows, q, nt, expert, g);
+    } else {
+        sm90_store_act<T, Shape, KIND, MX_ACT_SILU>(acc, rows, q, nt, expert, g);
+    }
+}
+
+/* ---- kernels ----------------------------------------------------------------------- */
+
+template <typename T, typename Shape, int KIND>
+__global__ void __launch_bounds__(Shape::kThreads, 1)
+    grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 64 x 128 */
+                             const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 64 x kBlockN/2 x 1 */
+                             const mx_gemm_args g,                      /* sizes, tile table, epilogue operands */
+                             int n_tiles)                               /* n tiles per m tile */
+{
+#if MX_SM90_DEVICE_PASS
+    constexpr int BM = Shape::kBlockM, BN = Shape::kBlockN, BK = Shape::kBlockK, STAGES = Shape::kStages;
+    constexpr int CM = Shape::kClusterM;
+    constexpr uint32_t A_BYTES = Shape::kABytes, STAGE_BYTES = Shape::kStageBytes;
+    constexpr uint32_t HALF_W_BYTES = (BN / 2) * BK * 2; /* one weight box */
+    constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
+
+    extern __shared__ __align__(1024) unsigned char sm90_smem[];
+    /* stage slots need 1024-byte alignment (the swizzle atom); kSmemBytes holds the slack */
+    const uint32_t base = (sm90_smem_u32(sm90_smem) + 1023u) & ~1023u;
+    const uint32_t bars = base + STAGES * STAGE_BYTES; /* full[STAGES], then empty[STAGES] */
+    auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
+    auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
+
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar(s), 1);
+            mbar_init(empty_bar(s), Shape::kMathWarps * CM); /* every math warp of the cluster */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    if (CM > 1)
+        cluster_sync(); /* the peer's barriers exist before anyone multicasts or arrives remotely */
+    else
+        __syncthreads();
+
+    /* Work units: (m unit, n tile); the CTA of cluster rank r takes m tile
+     * CM * mu + r. Both CTAs of a cluster walk the same units in lockstep
+     * (they exchange weight halves every k block). */
+    const uint32_t rank = CM > 1 ? cluster_cta_rank() : 0;
+    const int cluster = blockIdx.x / CM, clusters = gridDim.x / CM;
+    const int num_m = *g.num_tiles;
+    const int num_mu = (num_m + CM - 1) / CM;
+    const int total = num_mu * n_tiles;
+    const int k_blocks = static_cast<int>((g.k + BK - 1) / BK);
+    const int wg = threadIdx.x / 128;
+
+    if (wg == Shape::kMathWarpgroups) {
+        /* producer warpgroup: one thread issues every TMA load */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::kProducerRegs));
+        if (threadIdx.x % 128 == 0) {
+            tma_prefetch_map(&tma_a);
+            tma_prefetch_map(&tma_w);
+            uint32_t it = 0;
+            for (int unit = cluster; unit < total; unit += clusters) {
+                int mu, nt;
+                sm90_unit_coords<Shape::kGroupM>(unit, num_mu, n_tiles, mu, nt);
+                const int mt = mu * CM + static_cast<int>(rank);
+                /* a phantom m tile (odd count, last unit) still loads, so that the
+                 * pair stays in lockstep; its epilogue is skipped */
+                const int own = mt < num_m ? g.tile_expert[mt] : -1;
+                int peer = -1;
+                if (CM > 1) {
+                    const int pt = mu * CM + static_cast<int>(rank ^ 1u);
+                    peer = pt < num_m ? g.tile_expert[pt] : -1;
+                }
+                const bool multicast = CM > 1 && own >= 0 && own == peer; /* same expert: share the weights */
+                const int expert = own >= 0 ? own : peer;
+                const int a_row = (own >= 0 ? mt : mt - 1) * BM; /* a phantom tile re-reads its partner's rows */
+                const int c = kGated ? nt * (BN / 2) : nt * BN;
+                const int row0 = c, row1 = kGated ? static_cast<int>(g.out_cols) + c : c + BN / 2; /* box rows */
+                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
+                    mbar_wait(empty_bar(s), phase ^ 1u); /* a fresh barrier passes parity 1 at once */
+                    mbar_arrive_expect_tx(full_bar(s), STAGE_BYTES);
+                    const uint32_t a_dst = base + s * STAGE_BYTES, w_dst = a_dst + A_BYTES;
+                    tma_load_2d(a_dst, &tma_a, full_bar(s), kb * BK, a_row);
+                    if (multicast) {
+                        tma_load_3d_multicast(w_dst + rank * HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, rank ? row1 : row0,
+                                              expert, static_cast<uint16_t>((1u << CM) - 1u));
+                    } else {
+                        tma_load_3d(w_dst, &tma_w, full_bar(s), kb * BK, row0, expert);
+                        tma_load_3d(w_dst + HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+                    }
+                }
+            }
+        }
+    } else {
+        /* math warpgroups: rows [64 wg, 64 wg + 64) of every tile */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Shape::kMathRegs));
+        const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
+        const int r_lo = wg * 64 + warp_in_wg * 16 + lane / 4;
+        float acc[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i)
+            acc[i] = 0.0f;
+        uint32_t it = 0;
+        for (int unit = cluster; unit < total; unit += clusters) {
+            int mu, nt;
+            sm90_unit_coords<Shape::kGroupM>(unit, num_mu, n_tiles, mu, nt);
+            const int mt = mu * CM + static_cast<int>(rank);
+            const bool real = mt < num_m;
+            sm90_rows rows;
+            int expert = 0;
+            if (real) {
+                rows = sm90_load_rows<KIND>(static_cast<int64_t>(mt) * BM + r_lo, g);
+                expert = g.tile_expert[mt];
+            }
+            uint32_t prev = 0;
+            for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
+                mbar_wait(full_bar(s), phase);
+                const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
+                fence_acc(acc);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk)
+                    sm90_wgmma<T, BN>::run(acc, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32),
+                                           (kb | kk) != 0);
+                wgmma_commit();
+                fence_acc(acc);
+                if (kb > 0) {
+                    /* the previous k-block's wgmmas have retired: its slot is free */
+                    wgmma_wait<1>();
+                    fence_acc(acc);
+                    if (lane == 0) {
+                        mbar_arrive(empty_bar(prev));
+                        if (CM > 1)
+                            mbar_arrive_cluster(empty_bar(prev), rank ^ 1u);
+                    }
+                }
+                prev = s;
+            }
+            wgmma_wait<0>();
+            fence_acc(acc);
+            if (lane == 0) {
+                mbar_arrive(empty_bar(prev));
+                if (CM > 1)
+                    mbar_arrive_cluster(empty_bar(prev), rank ^ 1u);
+            }
+            if (real)
+                sm90_epilogue<T, Shape, KIND>(acc, rows, lane % 4, nt, expert, g);
+        }
+    }
+    if (CM > 1)
+        cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
+#else
+    __trap(); /* launched only where mx_cuda_sm90_gemm_available() saw sm_90a code */
+#endif
+}
+
+/* GEMM1's A operand: out[s] = x[sorted_ids[s] / top_k] for the rows of the
+ * tiles in use; padding rows are left as they are (their products are
+ * never stored). One warp per row, 16-byte chunks. */
+constexpr int kGatherThreads = 256;
+
+__global__ void __launch_bounds__(kGatherThreads)
+    sm90_gather_rows_kernel(const uint4 *__restrict__ x, /* [M, x_stride] 16-byte chunks */
+                            int64_t x_stride, int64_t chunks, const int32_t *__restrict__ sorted_ids,
+                            const int32_t *__restrict__ num_tiles, int top_k,
+                            uint4 *__restrict__ out) /* [rows_max, chunks] */
+{
+    const int64_t s = static_cast<int64_t>(blockIdx.x) * (kGatherThreads / 32) + threadIdx.x / 32;
+    if (s >= static_cast<int64_t>(*num_tiles) * kSm90BlockM)
+        return;
+    const int32_t pair = sorted_ids[s];
+    if (pair < 0)
+        return;
+    const uint4 *src = x + static_cast<int64_t>(pair / top_k) * x_stride;
+    uint4 *dst = out + s * chunks;
+#pragma unroll 4
+    for (int64_t c = threadIdx.x % 32; c < chunks; c += 32)
+        dst[c] = src[c];
+}
+
+/* ---- host: tensor maps ----------------------------------------------------------- */
+
+typedef CUresult (*sm90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled, fetched once through the runtime so that only
+ * cudart_static is linked; nullptr when the driver lacks it. */
+inline sm90_encode_fn sm90_encode_tiled()
+{
+    static std::atomic<sm90_encode_fn> cached{nullptr};
+    static std::atomic<int> tried{0};
+    sm90_encode_fn fn = cached.load(std::memory_order_acquire);
+    if (fn || tried.load(std::memory_order_acquire))
+        return fn;
+    void *p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+        p = nullptr;
+    cudaGetLastError();
+    fn = reinterpret_cast<sm90_encode_fn>(p);
+    cached.store(fn, std::memory_order_release);
+    tried.store(1, std::memory_order_release);
+    return fn;
+}
+
+/* What a tensor map is built from (all 16-bit elements, 128B swizzle). */
+struct sm90_map_key {
+    const void *addr;
+    int dtype_f16;          /* 1: float16, 0: bfloat16 */
+    int rank;               /* 2 or 3 */
+    uint64_t dims[3];       /* elements, innermost first */
+    uint64_t strides[2];    /* bytes of dims 1, 2 */
+    uint32_t box[3];
+};
+
+/* Tensor maps are pure host encodings of (address, shape, box): no device
+ * call, no synchronization. A small per-thread cache skips re-encoding the
+ * maps of unchanged weights and workspace pieces from one forward to the
+ * next. 0 => error (message in *st). */
+inline int sm90_tensor_map(const sm90_map_key &key, CUtensorMap *out, mx_status *st)
+{
+    constexpr int kEntries = 32;
+    static thread_local sm90_map_key keys[kEntries];
+    static thread_local CUtensorMap maps[kEntries];
+    static thread_local int used = 0, next = 0;
+    for (int i = 0; i < used; ++i)
+        if (memcmp(&keys[i], &key, sizeof key) == 0) {
+            *out = maps[i];
+            return 1;
+        }
+    sm90_encode_fn encode = sm90_encode_tiled();
+    if (!encode) {
+        *st = mx_status_fail(MX_ERR_CUDA, "grouped_gemm_sm90: cuTensorMapEncodeTiled is not available");
+        return 0;
+    }
+    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    CUresult r = encode(out, key.dtype_f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                        static_cast<cuuint32_t>(key.rank), const_cast<void *>(key.addr), key.dims, key.strides, key.box,
+                        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        *st = mx_status_fail(MX_ERR_CUDA,
+                             "grouped_gemm_sm90: cuTensorMapEncodeTiled error %d (rank %d, dims %llu x %llu x %llu, "
+                             "box %u x %u)",
+                             (int)r, key.rank, (unsigned long long)key.dims[0], (unsigned long long)key.dims[1],
+                             (unsigned long long)key.dims[2], key.box[0], key.box[1]);
+        return 0;
+    }
+    keys[next] = key;
+    maps[next] = *out;
+    next = (next + 1) % kEntries;
+    if (used < kEntries)
+        ++used;
+    return 1;
+}
+
+/* ---- host: launch ------------------------------------------------------------------ */
+
+template <typename T> struct sm90_dtype;
+template <> struct sm90_dtype<__nv_bfloat16> {
+    static constexpr int kF16 = 0;
+    static const char *name() { return "bf16"; }
+};
+template <> struct sm90_dtype<__half> {
+    static constexpr int kF16 = 1;
+    static const char *name() { return "fp16"; }
+};
+
+const char *const sm90_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
+
+/* Clusters of cluster_m CTAs of `kernel` that fit on the device at once
+ * (one CTA per SM; cached per kernel and device): the persistent grid. Falls
+ * back to SMs / cluster_m when the occupancy query fails. */
+template <typename Kernel>
+int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads, int smem_bytes)
+{
+    static std::atomic<int> cached[64];
+    const int slot = device & 63;
+    int n = cached[slot].load(std::memory_order_relaxed);
+    if (n > 0)
+        return n;
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+        sms = 1;
+    n = sms / cluster_m;
+    if (cluster_m > 1) {
+        cudaLaunchConfig_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.gridDim = dim3(static_cast<unsigned>(cluster_m * n));
+        cfg.blockDim = dim3(static_cast<unsigned>(threads));
+        cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = cluster_m;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int active = 0;
+        if (cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) == cudaSuccess && active > 0)
+            n = active;
+    }
+    cudaGetLastError();
+    if (n < 1)
+        n = 1;
+    cached[slot].store(n, std::memory_order_relaxed);
+    return n;
+}
+
+/* One GEMM over A [rows, K] (stride lda elements) and g.w; the caller
+ * checked the TMA preconditions. */
+template <typename T, typename Shape, int KIND>
+mx_status launch_sm90(const mx_gemm_args &g, const void *a, int64_t lda, int64_t local_experts, int64_t m_tiles,
+                      cudaStream_t stream)
+{
+    auto kernel = grouped_gemm_sm90_kernel<T, Shape, KIND>;
+    constexpr int BN = Shape::kBlockN;
+    const int64_t n_tiles = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED
+                                ? mx_ceil_div(g.out_cols, BN / 2)
+                                : mx_ceil_div(g.n_rows, BN);
+    char name[128];
+    snprintf(name, sizeof name, "grouped_gemm_sm90_kernel<%s, %dx%d, %s>", sm90_dtype<T>::name(), Shape::kBlockM, BN,
+             sm90_kind_names[KIND]);
+    if (m_tiles * n_tiles > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
+                              (long long)n_tiles);
+    if (g.k_splits != 1)
+        return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
+
+    int device = 0;
+    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    if (st.code != MX_OK)
+        return st;
+    static std::atomic<unsigned long long> configured{0};
+    const unsigned long long bit = 1ull << (device & 63);
+    if (!(configured.load(std::memory_order_relaxed) & bit)) {
+        st = mx_check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(Shape::kSmemBytes)),
+                           name);
+        if (st.code != MX_OK)
+            return st;
+        configured.fetch_or(bit, std::memory_order_relaxed);
+    }
+
+    sm90_map_key ka;
+    memset(&ka, 0, sizeof ka);
+    ka.addr = a;
+    ka.dtype_f16 = sm90_dtype<T>::kF16;
+    ka.rank = 2;
+    ka.dims[0] = static_cast<uint64_t>(g.k);
+    ka.dims[1] = static_cast<uint64_t>(m_tiles * Shape::kBlockM);
+    ka.dims[2] = 1;
+    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(T);
+    ka.box[0] = Shape::kBlockK;
+    ka.box[1] = Shape::kBlockM;
+    ka.box[2] = 1;
+    sm90_map_key kw;
+    memset(&kw, 0, sizeof kw);
+    kw.addr = g.w;
+    kw.dtype_f16 = sm90_dtype<T>::kF16;
+    kw.rank = 3;
+    kw.dims[0] = static_cast<uint64_t>(g.k);
+    kw.dims[1] = static_cast<uint64_t>(g.n_rows);
+    kw.dims[2] = static_cast<uint64_t>(local_experts);
+    kw.strides[0] = static_cast<uint64_t>(g.k) * sizeof(T);
+    kw.strides[1] = static_cast<uint64_t>(g.n_rows * g.k) * sizeof(T);
+    kw.box[0] = Shape::kBlockK;
+    kw.box[1] = BN / 2;
+    kw.box[2] = 1;
+    CUtensorMap map_a, map_w;
+    if (!sm90_tensor_map(ka, &map_a, &st) || !sm90_tensor_map(kw, &map_w, &st))
+        return st;
+
+    constexpr int CM = Shape::kClusterM;
+    const int64_t worst = mx_ceil_div(m_tiles, CM) * n_tiles; /* work units */
+    const int64_t clusters = sm90_max_clusters(kernel, device, CM, Shape::kThreads, static_cast<int>(Shape::kSmemBytes));
+    const int64_t grid = CM * (worst < clusters ? worst : clusters);
+    if (CM == 1) {
+        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, g,
+                                                                                          static_cast<int>(n_tiles));
+        return mx_check_launch(name);
+    }
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(Shape::kThreads);
+    cfg.dynamicSmemBytes = Shape::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = CM;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    st = mx_check_call(cudaLaunchKernelEx(&cfg, kernel, map_a, map_w, g, static_cast<int>(n_tiles)), name);
+    if (st.code != MX_OK)
+        return st;
+    return mx_check_launch(name);
+}
+
+template <typename T, typename Shape>
+mx_status launch_sm90_kind(const mx_gemm_args &g, mx_gemm_kind kind, const void *a, int64_t lda,
+                           int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+{
+    switch (kind) {
+    case MX_GEMM_GATE_UP:
+        return launch_sm90<T, Shape, MX_GEMM_GATE_UP>(g, a, lda, local_experts, m_tiles, stream);
+    case MX_GEMM_GATE_UP_INTERLEAVED:
+        return launch_sm90<T, Shape, MX_GEMM_GATE_UP_INTERLEAVED>(g, a, lda, local_experts, m_tiles, stream);
+    case MX_GEMM_UP: return launch_sm90<T, Shape, MX_GEMM_UP>(g, a, lda, local_experts, m_tiles, stream);
+    case MX_GEMM_DOWN: return launch_sm90<T, Shape, MX_GEMM_DOWN>(g, a, lda, local_experts, m_tiles, stream);
+    }
+    return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
+}
+
+/* Entry used by the per-dtype .cu files: GEMM1 kinds gather A into
+ * a_gathered first; MX_GEMM_DOWN reads g.a (act) directly. */
+template <typename T, typename Shape>
+mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int64_t local_experts, void *a_gathered,
+                            int64_t m_tiles, cudaStream_t stream)
+{
+    if (m_tiles <= 0)
+        return mx_status_ok();
+    if (kind == MX_GEMM_DOWN)
+        return launch_sm90_kind<T, Shape>(*g, kind, g->a, g->lda, local_experts, m_tiles, stream);
+    const int64_t rows = m_tiles * Shape::kBlockM;
+    const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
+    if (blocks > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "sm90_gather_rows_kernel: %lld rows exceed the grid", (long long)rows);
+    sm90_gather_rows_kernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
+        static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(T)) / 16,
+        g->k * static_cast<int64_t>(sizeof(T)) / 16, g->sorted_ids, g->num_tiles,
+        g->top_k, static_cast<uint4 *>(a_gathered));
+    mx_status st = mx_check_launch("sm90_gather_rows_kernel");
+    if (st.code != MX_OK)
+        return st;
+    return launch_sm90_kind<T, Shape>(*g, kind, a_gathered, g->k, local_experts, m_tiles, stream);
+}
+
+} /* namespace */
+
+#endif /* MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH */
