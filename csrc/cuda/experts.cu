@@ -25,7 +25,7 @@
  *   x_scaled         act   [M, H]        only with apply_router_weight_on_input
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
  *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode;
- *                                                 MX_TILE_SM90 first gathers GEMM1's A
+ *                                                 the sm90 plans first gather GEMM1's A
  *                                                 [rows_max, H] in act dtype here)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
 #include "common.cuh"
@@ -59,9 +59,9 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
     const int64_t pairs = p->num_tokens * p->top_k;
     const int64_t local = p->num_local_experts;
     plan->tile_config = mx_select_tile_config(pairs, local);
-    if (p->act_dtype != MX_F32 && mx_select_sm90(pairs, local, p->hidden_size, p->intermediate_size) &&
-        mx_cuda_sm90_gemm_available())
-        plan->tile_config = MX_TILE_SM90;
+    const int sm90 = mx_select_sm90_config(pairs, local, p->hidden_size, p->intermediate_size);
+    if (p->act_dtype != MX_F32 && sm90 >= 0 && mx_cuda_sm90_gemm_available())
+        plan->tile_config = sm90;
     plan->block_m = p->act_dtype == MX_F32 ? MX_F32_BLOCK_M : mx_tile_block_m(plan->tile_config);
     plan->pairs = pairs;
     plan->tiles_max = pairs / plan->block_m + (local < pairs ? local : pairs);
@@ -85,7 +85,7 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
     plan->off_act = take(&at, es * plan->rows_max * plan->ld_act);
     /* the Hopper path gathers GEMM1's A rows [rows_max, H] into y's space first */
     const size_t y_bytes = sizeof(float) * plan->down_splits * pairs * p->hidden_size;
-    const size_t a_bytes = plan->tile_config == MX_TILE_SM90 ? es * plan->rows_max * p->hidden_size : 0;
+    const size_t a_bytes = mx_tile_is_sm90(plan->tile_config) ? es * plan->rows_max * p->hidden_size : 0;
     plan->off_y = take(&at, y_bytes > a_bytes ? y_bytes : a_bytes);
     plan->total_bytes = at;
 }
@@ -233,12 +233,12 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     /* 16-byte loads need 16-byte rows and bases (act rows always are). */
     const int aligned1 = H % 8 == 0 && aligned16(x) && aligned16(p->w13);
     const int aligned2 = I % 8 == 0 && aligned16(p->w2);
-    if (tile_config == MX_TILE_SM90 && aligned1 && aligned2 && aligned16(act) && aligned16(y)) {
-        /* TMA needs 16-byte strides and bases; otherwise MX_TILE_SM90 runs as MX_TILE_LARGE below */
+    if (mx_tile_is_sm90(tile_config) && aligned1 && aligned2 && aligned16(act) && aligned16(y)) {
+        /* TMA needs 16-byte strides and bases; otherwise the sm90 plans run as MX_TILE_LARGE below */
         const auto gemm = p->act_dtype == MX_BF16 ? mx_cuda_grouped_gemm_bf16_sm90 : mx_cuda_grouped_gemm_fp16_sm90;
-        st = gemm(&g1, kind1, p->num_local_experts, y, plan.tiles_max, stream);
+        st = gemm(&g1, kind1, tile_config, p->num_local_experts, y, plan.tiles_max, stream);
         if (st.code == MX_OK)
-            st = gemm(&g2, MX_GEMM_DOWN, p->num_local_experts, nullptr, plan.tiles_max, stream);
+            st = gemm(&g2, MX_GEMM_DOWN, tile_config, p->num_local_experts, nullptr, plan.tiles_max, stream);
     } else switch (p->act_dtype) {
     case MX_BF16:
         st = mx_cuda_grouped_gemm_bf16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);

@@ -8,9 +8,11 @@
  *   per tensor       s = max(amax / 448, 1 / (448 * 512)); q = fp8(clamp(x * (1 / s)))
  *   per block        sf = max(amax, 1e-4) / 448 (ue8m0: 2^ceil(log2 sf)); q = fp8(x * (1 / sf))
  *   per token group  s = max(amax, 1e-10) / 448; q = fp8(clamp(x / s))
- * fp8() rounds to nearest even and saturates to +-448 (cvt ... satfinite);
- * clamp() keeps NaN, which encodes as 0x7f. amax is the largest |x| that is
- * not NaN (0 when there is none): NaN inputs do not move the scale. */
+ * fp8() rounds to nearest even and saturates to +-448 (cvt ... satfinite),
+ * infinities included; clamp() keeps NaN, which encodes as 0x7f. amax and
+ * the max() of the formulas propagate NaN, as the CPU engine does
+ * (csrc/cpu/fp8.h): a NaN in the data gives a NaN scale (and all-NaN q)
+ * rather than a silently finite one; an infinite amax stays infinite. */
 #ifndef MOE_EXT_CUDA_FP8_CUH
 #define MOE_EXT_CUDA_FP8_CUH
 
@@ -35,15 +37,22 @@ __device__ __forceinline__ float mx_fp8_clamp(float v)
     return v < -kFp8Max ? -kFp8Max : (v > kFp8Max ? kFp8Max : v);
 }
 
+/* max(a, b) that returns NaN when either is NaN (fmaxf would drop it);
+ * equal to fmaxf otherwise. */
+__device__ __forceinline__ float mx_max_nan(float a, float b)
+{
+    return a != a ? a : (b != b ? b : (a > b ? a : b));
+}
+
 __device__ __forceinline__ float mx_fp8_tensor_scale(float amax)
 {
-    return fmaxf(__fdiv_rn(amax, kFp8Max), static_cast<float>(1.0 / (448.0 * 512.0)));
+    return mx_max_nan(__fdiv_rn(amax, kFp8Max), static_cast<float>(1.0 / (448.0 * 512.0)));
 }
 
 __device__ __forceinline__ float mx_fp8_block_scale(float amax, int ue8m0)
 {
-    float sf = __fdiv_rn(fmaxf(amax, 1e-4f), kFp8Max);
-    if (ue8m0) {
+    float sf = __fdiv_rn(mx_max_nan(amax, 1e-4f), kFp8Max);
+    if (ue8m0 && isfinite(sf)) {
         /* sf = m * 2^e with m in [0.5, 1): ceil(log2 sf) is e, or e - 1 when
          * sf is a power of two (m == 0.5); exact, unlike log2f */
         int e;
@@ -55,20 +64,24 @@ __device__ __forceinline__ float mx_fp8_block_scale(float amax, int ue8m0)
 
 __device__ __forceinline__ float mx_fp8_group_scale(float amax)
 {
-    return __fdiv_rn(fmaxf(amax, 1e-10f), kFp8Max);
+    return __fdiv_rn(mx_max_nan(amax, 1e-10f), kFp8Max);
 }
+
+/* running amax: max(m, |v|), NaN-propagating */
+__device__ __forceinline__ float mx_amax_step(float m, float v) { return mx_max_nan(m, fabsf(v)); }
 
 __device__ __forceinline__ float mx_warp_max(float v)
 {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+        v = mx_max_nan(v, __shfl_xor_sync(0xffffffffu, v, off));
     return v;
 }
 
-/* amax of non-negative, non-NaN floats as their bits: unsigned order is
- * float order there, so atomicMax on the bits is the float maximum (and
- * order-independent, hence deterministic). */
+/* amax of non-negative floats as their bits: unsigned order is float order
+ * there, and every positive NaN compares above infinity, so atomicMax on the
+ * bits is the NaN-propagating float maximum (order-independent, hence
+ * deterministic). v: an amax (>= +0 or a positive NaN). */
 __device__ __forceinline__ void mx_atomic_amax(uint32_t *amax_bits, float v)
 {
     atomicMax(reinterpret_cast<unsigned int *>(amax_bits), __float_as_uint(v));

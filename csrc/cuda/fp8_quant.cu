@@ -47,7 +47,7 @@ __device__ __forceinline__ float block_max(float v)
     float m = warp_max[0];
 #pragma unroll
     for (int w = 1; w < kQuantThreads / 32; ++w)
-        m = fmaxf(m, warp_max[w]);
+        m = mx_max_nan(m, warp_max[w]);
     __syncthreads(); /* everyone has read warp_max before the next call writes it */
     return m;
 }
@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(kQuantThreads)
         float m = 0.0f;
         for (int64_t i = blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x; i < n;
              i += static_cast<int64_t>(gridDim.x) * kQuantThreads)
-            m = fmaxf(m, fabsf(mx_to_float(xb[i])));
+            m = mx_amax_step(m, mx_to_float(xb[i]));
         m = block_max(m);
-        if (threadIdx.x == 0 && m > 0.0f)
+        if (threadIdx.x == 0 && !(m <= 0.0f)) /* > 0 or NaN */
             mx_atomic_amax(amax_bits + b, m);
     }
 }
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         float m = 0.0f;
         for (int r = 0; r < h; ++r)
             for (int c = threadIdx.x; c < w; c += kQuantThreads)
-                m = fmaxf(m, fabsf(mx_to_float(xb[r * cols + c])));
+                m = mx_amax_step(m, mx_to_float(xb[r * cols + c]));
         const float sf = mx_fp8_block_scale(block_max(m), ue8m0);
         const float inv = __fdiv_rn(1.0f, sf);
         for (int r = 0; r < h; ++r)
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         uint8_t *qr = q + row * ldq;
         float m = 0.0f;
         for (int64_t c = c0 + lane; c < c1; c += 32)
-            m = fmaxf(m, fabsf(mx_to_float(xr[c])));
+            m = mx_amax_step(m, mx_to_float(xr[c]));
         const float s = mx_fp8_group_scale(mx_warp_max(m));
         for (int64_t c = c0 + lane; c < c1; c += 32)
             qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         if (!row_valid(f, row))
             continue;
         for (int64_t c = threadIdx.x; c < cols; c += kQuantThreads)
-            m = fmaxf(m, fabsf(mx_to_float(x[row * ldx + c])));
+            m = mx_amax_step(m, mx_to_float(x[row * ldx + c]));
     }
     m = block_max(m);
     if (threadIdx.x == 0) {
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         float m = 0.0f;
         if (partials) {
             for (int i = threadIdx.x; i < parts; i += 32)
-                m = fmaxf(m, partials[i]);
+                m = mx_max_nan(m, partials[i]);
             m = mx_warp_max(m);
         } else {
             m = __uint_as_float(*amax_bits);

@@ -85,27 +85,33 @@ struct mx_sm90_shape {
 
 /* 128x256x64, 4 stages (193 KB, 1 CTA/SM): m64n256 wgmma per math
  * warpgroup, the largest n (fewest shared-memory bytes per MAC) with 128
- * accumulators per thread. Clusters of 2 CTAs on neighbouring m tiles: when
- * both tiles belong to one expert (nearly always at these sizes) each CTA
- * loads half of the weight tile and multicasts it, so the L2 -> SM traffic
- * per k block drops from 48 to 32 KB. Tile order: groups of 8 m units (16 m
- * tiles, 2048 rows), m fastest, so that the CTAs of one wave share weight
- * slices and A rows in L2. */
-typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90;
+ * accumulators per thread; tile order in groups of 8 m tiles (1024 rows).
+ * 128x128 tiles (6 stages) were 2-8% slower on every perf shape, groups of
+ * 16 m units 1-10% slower than 8 (.cudatest runs of 2026-11-22). */
+typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
+/* The same tile in clusters of 2 CTAs on neighbouring m tiles of one expert,
+ * the weight tile multicast (32 instead of 48 KB per k block from L2 per
+ * CTA): +4% on both GEMMs of Mixtral at 4096 rows per expert, but 4-7%
+ * slower with a few m tiles per expert (pairs straddle experts, and the
+ * pair runs in lockstep). */
+typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
 
 enum mx_tile_config {
     MX_TILE_DECODE = 0,
     MX_TILE_MID = 1,
     MX_TILE_LARGE = 2,
-    MX_TILE_SM90 = 3, /* Hopper wgmma path; its mma.sync fallback is MX_TILE_LARGE (same block_m) */
+    MX_TILE_SM90 = 3,      /* Hopper wgmma path; its mma.sync fallback is MX_TILE_LARGE (same block_m) */
+    MX_TILE_SM90_PAIR = 4, /* the same with 2-CTA clusters and weight multicast; same fallback */
 };
+
+static inline int mx_tile_is_sm90(int config) { return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR; }
 
 /* The SIMT float32 path's tile rows (grouped_gemm_f32.cu). */
 #define MX_F32_BLOCK_M 16
 
 static inline int mx_tile_block_m(int config)
 {
-    return config == MX_TILE_SM90  ? kSm90BlockM
+    return mx_tile_is_sm90(config) ? kSm90BlockM
          : config == MX_TILE_LARGE ? mx_tile_large::kBlockM
          : config == MX_TILE_MID   ? mx_tile_mid::kBlockM
                                    : mx_tile_decode::kBlockM;
@@ -131,16 +137,26 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
 }
 
 /* Rule for the Hopper path (taken only where mx_cuda_sm90_gemm_available()):
- * TMA needs 16-byte row strides, so H and I must be multiples of 8; below
+ * TMA needs 16-byte row strides, so H and I must be multiples of 8. Below
  * kSm90MinRowsPerExpert expected rows per local expert the layer is weight-
  * bandwidth bound and the mma.sync decode / mid tiles (16 / 64 rows, no
- * padding to 128) stream the weights as well or better. */
+ * padding to 128) stream the weights as well or better: gptoss at 32 rows
+ * per expert 1705 us (mid) against 2003 us, qwen3moe at 64 rows 471 us
+ * (sm90) against 535 us, Mixtral at 64 rows 764 us against 1665 us (H200,
+ * 2026-11-22). From kSm90PairMinRowsPerExpert rows (8 m tiles per expert,
+ * so m tile pairs rarely straddle two experts) the cluster config wins:
+ * Mixtral M=16384 18.2 against 18.9 ms, M=4096 4.73 against 4.79 ms, qwen3moe
+ * M=16384 equal; gptoss at 512 rows loses 4% with it.
+ * Returns MX_TILE_SM90 / MX_TILE_SM90_PAIR, or -1 for the mma.sync rule. */
 constexpr int64_t kSm90MinRowsPerExpert = 64;
+constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
 
-static inline int mx_select_sm90(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter)
+static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter)
 {
     const int64_t e = local_experts > 0 ? local_experts : 1;
-    return hidden % 8 == 0 && inter % 8 == 0 && pairs >= kSm90MinRowsPerExpert * e;
+    if (hidden % 8 != 0 || inter % 8 != 0 || pairs < kSm90MinRowsPerExpert * e)
+        return -1;
+    return pairs >= kSm90PairMinRowsPerExpert * e ? MX_TILE_SM90_PAIR : MX_TILE_SM90;
 }
 
 /* Split-K of GEMM2 (the down projection), decode config only: with few

@@ -62,8 +62,9 @@ typedef mx_fp8_tile_shape<64, 128, 2, 2, 4, 2, 2, 0> mx_fp8_tile_mid;
  * and 1 CTA/SM with block scales (two sets do not fit 128 registers).
  * Measured against it (H200, M = 16384): 128x256 and 256x128 tiles (64x64
  * warp tiles, 1 CTA/SM) within 2% on Mixtral and 20% slower on Qwen3-MoE
- * (TENSOR); 4 stages at 1 CTA/SM 3-10% slower; with block scales mid
- * (64x128) is 6% faster on DeepSeek-V3 and equal on Mixtral. The mma.sync
+ * (TENSOR); 4 stages at 1 CTA/SM 11-32% slower with per-tensor scales and
+ * 2-3% faster with block scales; with block scales mid (64x128) is 6%
+ * faster on DeepSeek-V3 and equal on Mixtral. The mma.sync
  * path tops out near 400 TFLOP/s here (f16 HMMA + conversions, see
  * grouped_gemm_fp8.cuh); Hopper's FP8 rate needs wgmma. */
 typedef mx_fp8_tile_shape<128, 128, 2, 4, 3, 2, 1, 0> mx_fp8_tile_large;
@@ -87,7 +88,8 @@ static inline int mx_fp8_tile_block_m(int config)
  * byte-wise loader (aligned_w == 0) always get mid, the one config compiled
  * for them. The thresholds are the 16-bit kernels'; on H200 they picked the
  * fastest of decode / mid / large at every measured point (Qwen3-MoE and
- * DeepSeek-V3 at M = 1024: mid, 10-90% ahead of the others). */
+ * DeepSeek-V3 at M = 1024: mid, 6-89% ahead of the others) except
+ * DeepSeek-V3 with block scales at M = 16384 (mid 6% ahead of large). */
 static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts, int aligned_w)
 {
     const int64_t e = local_experts > 0 ? local_experts : 1;

@@ -324,7 +324,7 @@ __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const
             for (int q = 0; q < V; ++q) {
                 v[q] = fp8_round_to(v[q], dt); /* the act-dtype values GEMM2's quantizer will see */
                 if (kGemm1 && QUANT == MX_QUANT_FP8_TENSOR && q < valid)
-                    amax = fmaxf(amax, fabsf(v[q]));
+                    amax = mx_amax_step(amax, v[q]);
             }
             const int64_t out_row = KIND == MX_FP8_GEMM_LINEAR ? static_cast<int64_t>(pair) : row0 + r;
             fp8_store_out(g.out, dt, out_row * g.ldo + col, v, valid, vec);
@@ -332,7 +332,7 @@ __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const
     }
     if (kGemm1 && QUANT == MX_QUANT_FP8_TENSOR) {
         amax = mx_warp_max(amax);
-        if ((threadIdx.x & 31) == 0 && amax > 0.0f)
+        if ((threadIdx.x & 31) == 0 && !(amax <= 0.0f)) /* > 0 or NaN */
             mx_atomic_amax(g.amax, amax);
     }
 }
