@@ -86,8 +86,9 @@ struct mx_sm90_shape {
 /* 128x256x64, 4 stages (193 KB, 1 CTA/SM): m64n256 wgmma per math
  * warpgroup, the largest n (fewest shared-memory bytes per MAC) with 128
  * accumulators per thread; tile order in groups of 8 m tiles (1024 rows).
- * 128x128 tiles (6 stages) were 2-8% slower on every perf shape, groups of
- * 16 m units 1-10% slower than 8 (.cudatest runs of 2026-11-22). */
+ * 128x128 tiles (6 stages) were 1-4% slower at M >= 4096 and within 2% at
+ * M = 1024; groups of 16 m units were up to 8% slower than 8 except once
+ * (Mixtral M=4096, 2% faster); 4 and 8 equal (H200, 2026-11-22). */
 typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
 /* The same tile in clusters of 2 CTAs on neighbouring m tiles of one expert,
  * the weight tile multicast (32 instead of 48 KB per k block from L2 per
@@ -141,12 +142,13 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
  * kSm90MinRowsPerExpert expected rows per local expert the layer is weight-
  * bandwidth bound and the mma.sync decode / mid tiles (16 / 64 rows, no
  * padding to 128) stream the weights as well or better: gptoss at 32 rows
- * per expert 1705 us (mid) against 2003 us, qwen3moe at 64 rows 471 us
- * (sm90) against 535 us, Mixtral at 64 rows 764 us against 1665 us (H200,
+ * per expert 1705 us (mid) against 1992 us (sm90), qwen3moe at 64 rows 459
+ * against 534 us, Mixtral at 64 rows 792 against 1242 us (stage totals, H200,
  * 2026-11-22). From kSm90PairMinRowsPerExpert rows (8 m tiles per expert,
- * so m tile pairs rarely straddle two experts) the cluster config wins:
- * Mixtral M=16384 18.2 against 18.9 ms, M=4096 4.73 against 4.79 ms, qwen3moe
- * M=16384 equal; gptoss at 512 rows loses 4% with it.
+ * so m tile pairs rarely straddle two experts) the cluster config wins in
+ * every run: Mixtral M=16384 18.2-18.6 against 18.9-19.1 ms, M=4096 4.4-4.7
+ * against 4.8-5.1 ms, qwen3moe M=16384 equal; at 128-256 rows it loses 4-9%;
+ * gptoss at 512 rows moved either way between runs.
  * Returns MX_TILE_SM90 / MX_TILE_SM90_PAIR, or -1 for the mma.sync rule. */
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
