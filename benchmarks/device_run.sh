@@ -8,6 +8,6 @@ mkdir -p "$out"
 export MOE_EXT_CUDA_ARCHS=90a PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-python3 -m pytest tests -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log" | tail -15
+python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log" | tail -15
 python3 -m moe_ext.demo 2>&1 | tee "$out/demo.log"
 python3 benchmarks/bench_moe.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log" | tail -60

@@ -135,7 +135,8 @@ def test_method_types_and_meta_parameters(method, has_bias, device):
         assert tuple(layer.w2_bias.shape) == (E, H)
     if device == "cuda":
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == allocated, "construction allocated GPU memory"
+        # <=: tensors of earlier tests may be freed meanwhile; nothing may be added
+        assert torch.cuda.memory_allocated() <= allocated, "construction allocated GPU memory"
 
 
 def test_quant_config_methods_for_other_layers():

@@ -13,13 +13,15 @@
  * pairs also keeps the block's float32 rows in a stack block (L1-resident)
  * and feeds the other pairs from there, so each weight is read from memory and
  * converted once: decode (1-4 pairs) is bound by weight reads, prefill reuses
- * every converted block across all pairs. FP8 block scaling runs the tile per
- * 128-column slice and scales each slice's dots before adding them.
+ * every converted block across all pairs. FP8 block scaling happens inside
+ * the tile, at each 128-column slice boundary.
  *
  * On x86-64 with GCC/Clang the tile has an AVX2 + FMA + F16C version picked
  * at run time (the build needs no -march); elsewhere, and on CPUs without
  * AVX2, portable C. The arithmetic of an output does not depend on which
  * thread runs it. */
+#include <math.h>
+
 #include "gemm.h"
 
 enum {
@@ -68,9 +70,18 @@ static inline float mx_load_w(mx_dtype wdt, const void *w, int64_t i)
  * the float32 rows are also written to wstore + r * ldstore for the further
  * pairs. A nonzero pf (bytes) prefetches the same columns pf bytes past each
  * row, i.e. the next rows of the work item: rows shorter than a page share
- * pages, which the hardware prefetcher tracks poorly. */
+ * pages, which the hardware prefetcher tracks poorly.
+ * With bscale (FP8 block scaling), the dot is the sum over 128-column slices
+ * s of the slice's dot times bscale[s][r][p]: at each slice boundary every
+ * accumulator lane (a partial dot of the slice) is scaled into a second set
+ * (one FMA per lane), so the lanes are summed once, at the end; the K % 8
+ * tail belongs to the last slice. */
 typedef void (*mx_tile_fn)(const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int64_t K,
-                           float *wstore, int64_t ldstore, ptrdiff_t pf, float out[MX_TILE_ROWS][MX_TILE_PAIRS]);
+                           float *wstore, int64_t ldstore, ptrdiff_t pf, const float *bscale,
+                           float out[MX_TILE_ROWS][MX_TILE_PAIRS]);
+
+/* bscale of slice s, row r, pair p */
+#define MX_BSCALE(bscale, s, r, p) ((bscale)[((s) * MX_TILE_ROWS + (r)) * MX_TILE_PAIRS + (p)])
 
 /* Sum of the 8 lanes in the order the AVX2 reduction uses. */
 static float mx_lanes_sum(const float v[8])
@@ -79,14 +90,24 @@ static float mx_lanes_sum(const float v[8])
 }
 
 static void mx_tile_generic(mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                            int np, int64_t K, float *wstore, int64_t ldstore,
+                            int np, int64_t K, float *wstore, int64_t ldstore, const float *bscale,
                             float out[MX_TILE_ROWS][MX_TILE_PAIRS])
 {
     /* no prefetch here: the portable path favours simplicity */
-    float acc[MX_TILE_ROWS][MX_TILE_PAIRS][8], wv[MX_TILE_ROWS][8];
+    float acc[MX_TILE_ROWS][MX_TILE_PAIRS][8], tot[MX_TILE_ROWS][MX_TILE_PAIRS][8], wv[MX_TILE_ROWS][8];
     memset(acc, 0, sizeof acc);
+    memset(tot, 0, sizeof tot);
     int64_t k0 = 0;
-    for (; k0 + 8 <= K; k0 += 8) {
+    for (; k0 < K; k0 += 8) {
+        if (bscale && k0 % MX_FP8_BLOCK == 0 && k0 > 0) /* a slice ends (the tail starts one too) */
+            for (int r = 0; r < MX_TILE_ROWS; r++)
+                for (int p = 0; p < np; p++)
+                    for (int l = 0; l < 8; l++) {
+                        tot[r][p][l] = fmaf(acc[r][p][l], MX_BSCALE(bscale, k0 / MX_FP8_BLOCK - 1, r, p), tot[r][p][l]);
+                        acc[r][p][l] = 0.0f;
+                    }
+        if (k0 + 8 > K)
+            break;
         for (int r = 0; r < MX_TILE_ROWS; r++)
             for (int l = 0; l < 8; l++)
                 wv[r][l] = mx_load_w(wdt, w[r], k0 + l);
@@ -103,7 +124,7 @@ static void mx_tile_generic(mx_dtype wdt, const void *const w[MX_TILE_ROWS], con
             float s = mx_lanes_sum(acc[r][p]);
             for (int64_t i = k0; i < K; i++)
                 s += mx_load_w(wdt, w[r], i) * x[p][i];
-            out[r][p] = s;
+            out[r][p] = bscale ? mx_lanes_sum(tot[r][p]) + s * MX_BSCALE(bscale, (K - 1) / MX_FP8_BLOCK, r, p) : s;
         }
         if (wstore)
             for (int64_t i = k0; i < K; i++)
@@ -142,15 +163,24 @@ MX_INLINE_AVX2 __m256 mx_load8_avx2(mx_dtype wdt, const void *w, int64_t k)
  * accumulators stay in registers (12 + 3 + 1 of the 16 ymm at NP = 3). */
 MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
                                  int NP, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf,
-                                 float out[MX_TILE_ROWS][MX_TILE_PAIRS])
+                                 const float *bscale, float out[MX_TILE_ROWS][MX_TILE_PAIRS])
 {
     const int64_t esize = (int64_t)mx_dtype_size(WDT), line = 64 / esize; /* elements per cache line */
-    __m256 acc[MX_TILE_ROWS][MX_TILE_PAIRS];
+    __m256 acc[MX_TILE_ROWS][MX_TILE_PAIRS], tot[MX_TILE_ROWS][MX_TILE_PAIRS];
     for (int r = 0; r < MX_TILE_ROWS; r++)
         for (int p = 0; p < NP; p++)
-            acc[r][p] = _mm256_setzero_ps();
+            acc[r][p] = tot[r][p] = _mm256_setzero_ps();
     int64_t k0 = 0;
-    for (; k0 + 8 <= K; k0 += 8) {
+    for (; k0 < K; k0 += 8) {
+        if (bscale && k0 % MX_FP8_BLOCK == 0 && k0 > 0) /* a slice ends (the tail starts one too) */
+            for (int r = 0; r < MX_TILE_ROWS; r++)
+                for (int p = 0; p < NP; p++) {
+                    const __m256 sv = _mm256_set1_ps(MX_BSCALE(bscale, k0 / MX_FP8_BLOCK - 1, r, p));
+                    tot[r][p] = _mm256_fmadd_ps(acc[r][p], sv, tot[r][p]);
+                    acc[r][p] = _mm256_setzero_ps();
+                }
+        if (k0 + 8 > K)
+            break;
         __m256 xv[MX_TILE_PAIRS];
         for (int p = 0; p < NP; p++)
             xv[p] = _mm256_loadu_ps(x[p] + k0);
@@ -169,7 +199,7 @@ MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS]
             float s = mx_hsum_avx2(acc[r][p]);
             for (int64_t i = k0; i < K; i++)
                 s += mx_load_w(WDT, w[r], i) * x[p][i];
-            out[r][p] = s;
+            out[r][p] = bscale ? mx_hsum_avx2(tot[r][p]) + s * MX_BSCALE(bscale, (K - 1) / MX_FP8_BLOCK, r, p) : s;
         }
         if (wstore)
             for (int64_t i = k0; i < K; i++)
@@ -177,41 +207,57 @@ MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS]
     }
 }
 
-/* One instantiation per (weight dtype, pairs, store or not). */
-#define MX_TILE_AVX2_DEF(name, WDT, NP, STORE)                                                                  \
+/* One instantiation per (weight dtype, pairs, store or not, block-scaled or not). */
+#define MX_TILE_AVX2_DEF(name, WDT, NP, STORE, BLOCK)                                                           \
     MX_AVX2 static void name(const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int64_t K, \
-                             float *wstore, int64_t ldstore, ptrdiff_t pf,                             \
+                             float *wstore, int64_t ldstore, ptrdiff_t pf, const float *bscale,        \
                              float out[MX_TILE_ROWS][MX_TILE_PAIRS])                                   \
     {                                                                                                          \
-        mx_tile_avx2(WDT, w, x, NP, K, STORE ? wstore : NULL, ldstore, pf, out);                               \
+        mx_tile_avx2(WDT, w, x, NP, K, STORE ? wstore : NULL, ldstore, pf, BLOCK ? bscale : NULL, out);       \
     }
-#define MX_TILE_AVX2_DEFS(prefix, WDT, STORE)        \
-    MX_TILE_AVX2_DEF(prefix##_1, WDT, 1, STORE)      \
-    MX_TILE_AVX2_DEF(prefix##_2, WDT, 2, STORE)      \
-    MX_TILE_AVX2_DEF(prefix##_3, WDT, 3, STORE)
+#define MX_TILE_AVX2_DEFS(prefix, WDT, STORE, BLOCK)        \
+    MX_TILE_AVX2_DEF(prefix##_1, WDT, 1, STORE, BLOCK)      \
+    MX_TILE_AVX2_DEF(prefix##_2, WDT, 2, STORE, BLOCK)      \
+    MX_TILE_AVX2_DEF(prefix##_3, WDT, 3, STORE, BLOCK)
 
-MX_TILE_AVX2_DEFS(mx_tile_f32, MX_F32, 0)
-MX_TILE_AVX2_DEFS(mx_tile_f16, MX_F16, 0)
-MX_TILE_AVX2_DEFS(mx_tile_bf16, MX_BF16, 0)
-MX_TILE_AVX2_DEFS(mx_tile_f8, MX_F8E4M3, 0)
-MX_TILE_AVX2_DEFS(mx_tile_f16_store, MX_F16, 1)
-MX_TILE_AVX2_DEFS(mx_tile_bf16_store, MX_BF16, 1)
-MX_TILE_AVX2_DEFS(mx_tile_f8_store, MX_F8E4M3, 1)
+MX_TILE_AVX2_DEFS(mx_tile_f32, MX_F32, 0, 0)
+MX_TILE_AVX2_DEFS(mx_tile_f16, MX_F16, 0, 0)
+MX_TILE_AVX2_DEFS(mx_tile_bf16, MX_BF16, 0, 0)
+MX_TILE_AVX2_DEFS(mx_tile_f8, MX_F8E4M3, 0, 0)
+MX_TILE_AVX2_DEFS(mx_tile_f16_store, MX_F16, 1, 0)
+MX_TILE_AVX2_DEFS(mx_tile_bf16_store, MX_BF16, 1, 0)
+MX_TILE_AVX2_DEFS(mx_tile_f8_store, MX_F8E4M3, 1, 0)
+MX_TILE_AVX2_DEFS(mx_tile_f32_block, MX_F32, 0, 1)
+MX_TILE_AVX2_DEFS(mx_tile_f8_block, MX_F8E4M3, 0, 1)
+MX_TILE_AVX2_DEFS(mx_tile_f8_store_block, MX_F8E4M3, 1, 1)
 
-/* [store][weight dtype: F32, F16, BF16, F8E4M3][np - 1]; float32 rows are
- * never stored (they are reused in place) */
-static const mx_tile_fn mx_tiles_avx2[2][4][MX_TILE_PAIRS] = {
+/* [block][store][weight dtype: F32, F16, BF16, F8E4M3][np - 1]; float32 rows
+ * are never stored (they are reused in place); block scaling comes only with
+ * fp8 weights (or their kept float32 rows) */
+static const mx_tile_fn mx_tiles_avx2[2][2][4][MX_TILE_PAIRS] = {
     {
-        {mx_tile_f32_1, mx_tile_f32_2, mx_tile_f32_3},
-        {mx_tile_f16_1, mx_tile_f16_2, mx_tile_f16_3},
-        {mx_tile_bf16_1, mx_tile_bf16_2, mx_tile_bf16_3},
-        {mx_tile_f8_1, mx_tile_f8_2, mx_tile_f8_3},
+        {
+            {mx_tile_f32_1, mx_tile_f32_2, mx_tile_f32_3},
+            {mx_tile_f16_1, mx_tile_f16_2, mx_tile_f16_3},
+            {mx_tile_bf16_1, mx_tile_bf16_2, mx_tile_bf16_3},
+            {mx_tile_f8_1, mx_tile_f8_2, mx_tile_f8_3},
+        },
+        {
+            {mx_tile_f32_1, mx_tile_f32_2, mx_tile_f32_3},
+            {mx_tile_f16_store_1, mx_tile_f16_store_2, mx_tile_f16_store_3},
+            {mx_tile_bf16_store_1, mx_tile_bf16_store_2, mx_tile_bf16_store_3},
+            {mx_tile_f8_store_1, mx_tile_f8_store_2, mx_tile_f8_store_3},
+        },
     },
     {
-        {mx_tile_f32_1, mx_tile_f32_2, mx_tile_f32_3},
-        {mx_tile_f16_store_1, mx_tile_f16_store_2, mx_tile_f16_store_3},
-        {mx_tile_bf16_store_1, mx_tile_bf16_store_2, mx_tile_bf16_store_3},
-        {mx_tile_f8_store_1, mx_tile_f8_store_2, mx_tile_f8_store_3},
+        {
+            [0] = {mx_tile_f32_block_1, mx_tile_f32_block_2, mx_tile_f32_block_3},
+            [3] = {mx_tile_f8_block_1, mx_tile_f8_block_2, mx_tile_f8_block_3},
+        },
+        {
+            [0] = {mx_tile_f32_block_1, mx_tile_f32_block_2, mx_tile_f32_block_3},
+            [3] = {mx_tile_f8_store_block_1, mx_tile_f8_store_block_2, mx_tile_f8_store_block_3},
+        },
     },
 };
 
@@ -241,56 +287,42 @@ int mx_gemm_avx2(void)
 }
 
 static void mx_tile(int avx2, mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                    int np, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf,
+                    int np, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf, const float *bscale,
                     float out[MX_TILE_ROWS][MX_TILE_PAIRS])
 {
 #if MX_HAVE_AVX2_PATH
     if (avx2) {
-        mx_tiles_avx2[wstore != NULL][mx_tile_dtype_index(wdt)][np - 1](w, x, K, wstore, ldstore, pf, out);
+        mx_tiles_avx2[bscale != NULL][wstore != NULL][mx_tile_dtype_index(wdt)][np - 1](w, x, K, wstore, ldstore, pf,
+                                                                                        bscale, out);
         return;
     }
 #else
     (void)avx2;
     (void)pf;
 #endif
-    mx_tile_generic(wdt, w, x, np, K, wstore, ldstore, out);
+    mx_tile_generic(wdt, w, x, np, K, wstore, ldstore, bscale, out);
 }
 
-/* The block-scaled tile: out[r][p] += the dots of each 128-column slice of
- * [k0, k0 + kc) (k0 a multiple of 128) times that slice's scales. w, x and
- * wstore point at column k0; wdt_in is the dtype of w (float32 when it comes
- * from the kept block); rows[r] is row r's index in W and xrow[p] pair p's
- * input row. */
-static void mx_tile_fp8_block(const mx_gemm_weights *gw, const mx_gemm_input *in, mx_dtype wdt_in,
-                              const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int np,
-                              int64_t k0, int64_t kc, float *wstore, int64_t ldstore, ptrdiff_t pf,
-                              const int64_t rows[MX_TILE_ROWS], const int64_t xrow[MX_TILE_PAIRS], int nr,
-                              float out[MX_TILE_ROWS][MX_TILE_PAIRS])
+/* FP8_BLOCK: the tile's bscale for the slices of columns [k0, k0 + kc) (k0 a
+ * multiple of 128): MX_FP8_UNSCALE * (x scale * w scale) of each tile row
+ * rows[r] of W and pair input row xrow[p]. */
+static void mx_block_scales(const mx_gemm_weights *gw, const mx_gemm_input *in, const int64_t rows[MX_TILE_ROWS],
+                            const int64_t xrow[MX_TILE_PAIRS], int64_t k0, int64_t kc, float *bscale)
 {
-    const size_t esize = mx_dtype_size(wdt_in);
-    const int64_t nkb = (gw->K + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK;
-    for (int64_t ks = 0; ks < kc; ks += MX_FP8_BLOCK) {
-        const int64_t kn = kc - ks < MX_FP8_BLOCK ? kc - ks : MX_FP8_BLOCK, kb = (k0 + ks) / MX_FP8_BLOCK;
-        const void *ws[MX_TILE_ROWS];
-        const float *xs[MX_TILE_PAIRS];
-        float part[MX_TILE_ROWS][MX_TILE_PAIRS];
-        for (int r = 0; r < MX_TILE_ROWS; r++)
-            ws[r] = (const char *)w[r] + (size_t)ks * esize;
-        for (int p = 0; p < MX_TILE_PAIRS; p++)
-            xs[p] = x[p] + ks;
-        mx_tile(gw->avx2, wdt_in, ws, xs, np, kn, wstore ? wstore + ks : NULL, ldstore, pf, part);
-        for (int r = 0; r < nr; r++) {
-            const float sw = gw->scale[rows[r] / MX_FP8_BLOCK * nkb + kb];
-            for (int p = 0; p < np; p++)
-                out[r][p] += part[r][p] * MX_FP8_UNSCALE * (in->scale[xrow[p] * in->ld_scale + kb] * sw);
+    const int64_t nkb = (gw->K + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK, kb0 = k0 / MX_FP8_BLOCK;
+    for (int64_t s = 0; s < (kc + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK; s++)
+        for (int r = 0; r < MX_TILE_ROWS; r++) {
+            const float sw = gw->scale[rows[r] / MX_FP8_BLOCK * nkb + kb0 + s];
+            for (int p = 0; p < MX_TILE_PAIRS; p++)
+                MX_BSCALE(bscale, s, r, p) = MX_FP8_UNSCALE * (in->scale[xrow[p] * in->ld_scale + kb0 + s] * sw);
         }
-    }
 }
 
 void mx_gemm_rows(const mx_gemm_weights *gw, int64_t row0, int nrows, const mx_gemm_input *in,
                   const int32_t *pairs, int64_t np, float *d, int64_t ldd)
 {
     _Alignas(64) float wbuf[MX_WBUF_FLOATS];
+    float bscale[MX_KC_MAX / MX_FP8_BLOCK * MX_TILE_ROWS * MX_TILE_PAIRS];
     const mx_dtype dt = gw->dtype;
     const size_t esize = mx_dtype_size(dt);
     const int64_t K = gw->K;
@@ -329,24 +361,17 @@ void mx_gemm_rows(const mx_gemm_weights *gw, int64_t row0, int nrows, const mx_g
                     /* prefetch the next 4 rows while they are in this call */
                     const ptrdiff_t pf = !from_buf && rb + r0 + 2 * MX_TILE_ROWS <= nrows
                                              ? (ptrdiff_t)(MX_TILE_ROWS * K * (int64_t)esize) : 0;
-                    const mx_dtype wdt = from_buf ? MX_F32 : dt;
-                    float *wstore = keep && p0 == 0 ? wbuf + r0 * ldk : NULL;
-                    if (gw->quant == MX_QUANT_FP8_BLOCK) {
-                        /* slices add up in order, continuing the sum of the earlier K slices */
+                    if (gw->quant == MX_QUANT_FP8_BLOCK)
+                        mx_block_scales(gw, in, rows, xrow, k0, kc, bscale);
+                    mx_tile(gw->avx2, from_buf ? MX_F32 : dt, ws, xs, tp, kc, keep && p0 == 0 ? wbuf + r0 * ldk : NULL,
+                            ldk, pf, gw->quant == MX_QUANT_FP8_BLOCK ? bscale : NULL, out);
+                    for (int i = 0; i < tr; i++)
+                        for (int j = 0; j < tp; j++)
+                            out[i][j] = k0 ? d[q[j] * ldd + rb + r0 + i] + out[i][j] : out[i][j];
+                    if (gw->quant == MX_QUANT_FP8_TENSOR && last)
                         for (int i = 0; i < tr; i++)
                             for (int j = 0; j < tp; j++)
-                                out[i][j] = k0 ? d[q[j] * ldd + rb + r0 + i] : 0.0f;
-                        mx_tile_fp8_block(gw, in, wdt, ws, xs, tp, k0, kc, wstore, ldk, pf, rows, xrow, tr, out);
-                    } else {
-                        mx_tile(gw->avx2, wdt, ws, xs, tp, kc, wstore, ldk, pf, out);
-                        for (int i = 0; i < tr; i++)
-                            for (int j = 0; j < tp; j++)
-                                out[i][j] = k0 ? d[q[j] * ldd + rb + r0 + i] + out[i][j] : out[i][j];
-                        if (gw->quant == MX_QUANT_FP8_TENSOR && last)
-                            for (int i = 0; i < tr; i++)
-                                for (int j = 0; j < tp; j++)
-                                    out[i][j] = out[i][j] * MX_FP8_UNSCALE * in->scale[0] * gw->scale[0];
-                    }
+                                out[i][j] = out[i][j] * MX_FP8_UNSCALE * in->scale[0] * gw->scale[0];
                     for (int j = 0; j < tp; j++)
                         for (int i = 0; i < tr; i++)
                             d[q[j] * ldd + rb + r0 + i] = out[i][j];

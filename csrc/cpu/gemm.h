@@ -31,9 +31,11 @@ int mx_gemm_avx2(void);
  * when pairs is NULL):
  *   NONE         d[q * ldd + r] = dot(W[row0 + r, :], x_q)
  *   FP8_TENSOR   d[q * ldd + r] = dot(W[row0 + r, :], x_q) * x.scale[0] * w.scale[0]
- *   FP8_BLOCK    d[q * ldd + r] = sum over 128-column slices kb, in order, of
- *                the slice's dot * (x.scale[row(q), kb] * w.scale[(row0 + r) / 128, kb])
- * with float32 accumulation; each weight is read from memory once. */
+ *   FP8_BLOCK    d[q * ldd + r] = sum over 128-column slices kb of the slice's
+ *                dot * (x.scale[row(q), kb] * w.scale[(row0 + r) / 128, kb])
+ * with float32 accumulation (FP8_BLOCK: the tile's 8 lanes each scale their
+ * partial dot of a slice, and the lanes are summed once at the end); each
+ * weight is read from memory once. */
 void mx_gemm_rows(const mx_gemm_weights *w, int64_t row0, int nrows, const mx_gemm_input *x,
                   const int32_t *pairs, int64_t np, float *d, int64_t ldd);
 
