@@ -71,17 +71,25 @@ static inline float mx_load_w(mx_dtype wdt, const void *w, int64_t i)
  * pairs. A nonzero pf (bytes) prefetches the same columns pf bytes past each
  * row, i.e. the next rows of the work item: rows shorter than a page share
  * pages, which the hardware prefetcher tracks poorly.
- * With bscale (FP8 block scaling), the dot is the sum over 128-column slices
- * s of the slice's dot times bscale[s][r][p]: at each slice boundary every
- * accumulator lane (a partial dot of the slice) is scaled into a second set
- * (one FMA per lane), so the lanes are summed once, at the end; the K % 8
- * tail belongs to the last slice. */
+ * With bs (FP8 block scaling), the dot is the sum over 128-column slices s
+ * of the slice's dot times MX_FP8_UNSCALE * (bs->x[p][s] * bs->w[r][s]): at
+ * each slice boundary every accumulator lane (a partial dot of the slice) is
+ * scaled into a second set (one FMA per lane), so the lanes are summed once,
+ * at the end; the K % 8 tail belongs to the last slice. */
+typedef struct mx_tile_scales {
+    const float *w[MX_TILE_ROWS];  /* row r's weight scales, from the tile's first slice on */
+    const float *x[MX_TILE_PAIRS]; /* pair p's input scales, the same */
+} mx_tile_scales;
+
 typedef void (*mx_tile_fn)(const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int64_t K,
-                           float *wstore, int64_t ldstore, ptrdiff_t pf, const float *bscale,
+                           float *wstore, int64_t ldstore, ptrdiff_t pf, const mx_tile_scales *bs,
                            float out[MX_TILE_ROWS][MX_TILE_PAIRS]);
 
-/* bscale of slice s, row r, pair p */
-#define MX_BSCALE(bscale, s, r, p) ((bscale)[((s) * MX_TILE_ROWS + (r)) * MX_TILE_PAIRS + (p)])
+/* The scale of slice s, row r, pair p: 256 * (x * w), exactly (256 * x) * w. */
+static inline float mx_tile_scale(const mx_tile_scales *bs, int64_t s, int r, int p)
+{
+    return bs->x[p][s] * MX_FP8_UNSCALE * bs->w[r][s];
+}
 
 /* Sum of the 8 lanes in the order the AVX2 reduction uses. */
 static float mx_lanes_sum(const float v[8])
@@ -90,7 +98,7 @@ static float mx_lanes_sum(const float v[8])
 }
 
 static void mx_tile_generic(mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                            int np, int64_t K, float *wstore, int64_t ldstore, const float *bscale,
+                            int np, int64_t K, float *wstore, int64_t ldstore, const mx_tile_scales *bs,
                             float out[MX_TILE_ROWS][MX_TILE_PAIRS])
 {
     /* no prefetch here: the portable path favours simplicity */
@@ -99,11 +107,11 @@ static void mx_tile_generic(mx_dtype wdt, const void *const w[MX_TILE_ROWS], con
     memset(tot, 0, sizeof tot);
     int64_t k0 = 0;
     for (; k0 < K; k0 += 8) {
-        if (bscale && k0 % MX_FP8_BLOCK == 0 && k0 > 0) /* a slice ends (the tail starts one too) */
+        if (bs && k0 % MX_FP8_BLOCK == 0 && k0 > 0) /* a slice ends (the tail starts one too) */
             for (int r = 0; r < MX_TILE_ROWS; r++)
                 for (int p = 0; p < np; p++)
                     for (int l = 0; l < 8; l++) {
-                        tot[r][p][l] = fmaf(acc[r][p][l], MX_BSCALE(bscale, k0 / MX_FP8_BLOCK - 1, r, p), tot[r][p][l]);
+                        tot[r][p][l] = fmaf(acc[r][p][l], mx_tile_scale(bs, k0 / MX_FP8_BLOCK - 1, r, p), tot[r][p][l]);
                         acc[r][p][l] = 0.0f;
                     }
         if (k0 + 8 > K)
@@ -124,7 +132,7 @@ static void mx_tile_generic(mx_dtype wdt, const void *const w[MX_TILE_ROWS], con
             float s = mx_lanes_sum(acc[r][p]);
             for (int64_t i = k0; i < K; i++)
                 s += mx_load_w(wdt, w[r], i) * x[p][i];
-            out[r][p] = bscale ? mx_lanes_sum(tot[r][p]) + s * MX_BSCALE(bscale, (K - 1) / MX_FP8_BLOCK, r, p) : s;
+            out[r][p] = bs ? mx_lanes_sum(tot[r][p]) + s * mx_tile_scale(bs, (K - 1) / MX_FP8_BLOCK, r, p) : s;
         }
         if (wstore)
             for (int64_t i = k0; i < K; i++)
@@ -163,7 +171,7 @@ MX_INLINE_AVX2 __m256 mx_load8_avx2(mx_dtype wdt, const void *w, int64_t k)
  * accumulators stay in registers (12 + 3 + 1 of the 16 ymm at NP = 3). */
 MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
                                  int NP, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf,
-                                 const float *bscale, float out[MX_TILE_ROWS][MX_TILE_PAIRS])
+                                 const mx_tile_scales *bs, float out[MX_TILE_ROWS][MX_TILE_PAIRS])
 {
     const int64_t esize = (int64_t)mx_dtype_size(WDT), line = 64 / esize; /* elements per cache line */
     __m256 acc[MX_TILE_ROWS][MX_TILE_PAIRS], tot[MX_TILE_ROWS][MX_TILE_PAIRS];
@@ -172,10 +180,10 @@ MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS]
             acc[r][p] = tot[r][p] = _mm256_setzero_ps();
     int64_t k0 = 0;
     for (; k0 < K; k0 += 8) {
-        if (bscale && k0 % MX_FP8_BLOCK == 0 && k0 > 0) /* a slice ends (the tail starts one too) */
+        if (bs && k0 % MX_FP8_BLOCK == 0 && k0 > 0) /* a slice ends (the tail starts one too) */
             for (int r = 0; r < MX_TILE_ROWS; r++)
                 for (int p = 0; p < NP; p++) {
-                    const __m256 sv = _mm256_set1_ps(MX_BSCALE(bscale, k0 / MX_FP8_BLOCK - 1, r, p));
+                    const __m256 sv = _mm256_set1_ps(mx_tile_scale(bs, k0 / MX_FP8_BLOCK - 1, r, p));
                     tot[r][p] = _mm256_fmadd_ps(acc[r][p], sv, tot[r][p]);
                     acc[r][p] = _mm256_setzero_ps();
                 }
@@ -199,7 +207,7 @@ MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS]
             float s = mx_hsum_avx2(acc[r][p]);
             for (int64_t i = k0; i < K; i++)
                 s += mx_load_w(WDT, w[r], i) * x[p][i];
-            out[r][p] = bscale ? mx_hsum_avx2(tot[r][p]) + s * MX_BSCALE(bscale, (K - 1) / MX_FP8_BLOCK, r, p) : s;
+            out[r][p] = bs ? mx_hsum_avx2(tot[r][p]) + s * mx_tile_scale(bs, (K - 1) / MX_FP8_BLOCK, r, p) : s;
         }
         if (wstore)
             for (int64_t i = k0; i < K; i++)
@@ -210,10 +218,10 @@ MX_INLINE_AVX2 void mx_tile_avx2(mx_dtype WDT, const void *const w[MX_TILE_ROWS]
 /* One instantiation per (weight dtype, pairs, store or not, block-scaled or not). */
 #define MX_TILE_AVX2_DEF(name, WDT, NP, STORE, BLOCK)                                                           \
     MX_AVX2 static void name(const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS], int64_t K, \
-                             float *wstore, int64_t ldstore, ptrdiff_t pf, const float *bscale,        \
+                             float *wstore, int64_t ldstore, ptrdiff_t pf, const mx_tile_scales *bs,        \
                              float out[MX_TILE_ROWS][MX_TILE_PAIRS])                                   \
     {                                                                                                          \
-        mx_tile_avx2(WDT, w, x, NP, K, STORE ? wstore : NULL, ldstore, pf, BLOCK ? bscale : NULL, out);       \
+        mx_tile_avx2(WDT, w, x, NP, K, STORE ? wstore : NULL, ldstore, pf, BLOCK ? bs : NULL, out);           \
     }
 #define MX_TILE_AVX2_DEFS(prefix, WDT, STORE, BLOCK)        \
     MX_TILE_AVX2_DEF(prefix##_1, WDT, 1, STORE, BLOCK)      \
@@ -287,46 +295,31 @@ int mx_gemm_avx2(void)
 }
 
 static void mx_tile(int avx2, mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],
-                    int np, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf, const float *bscale,
+                    int np, int64_t K, float *wstore, int64_t ldstore, ptrdiff_t pf, const mx_tile_scales *bs,
                     float out[MX_TILE_ROWS][MX_TILE_PAIRS])
 {
 #if MX_HAVE_AVX2_PATH
     if (avx2) {
-        mx_tiles_avx2[bscale != NULL][wstore != NULL][mx_tile_dtype_index(wdt)][np - 1](w, x, K, wstore, ldstore, pf,
-                                                                                        bscale, out);
+        mx_tiles_avx2[bs != NULL][wstore != NULL][mx_tile_dtype_index(wdt)][np - 1](w, x, K, wstore, ldstore, pf, bs,
+                                                                                    out);
         return;
     }
 #else
     (void)avx2;
     (void)pf;
 #endif
-    mx_tile_generic(wdt, w, x, np, K, wstore, ldstore, bscale, out);
-}
-
-/* FP8_BLOCK: the tile's bscale for the slices of columns [k0, k0 + kc) (k0 a
- * multiple of 128): MX_FP8_UNSCALE * (x scale * w scale) of each tile row
- * rows[r] of W and pair input row xrow[p]. */
-static void mx_block_scales(const mx_gemm_weights *gw, const mx_gemm_input *in, const int64_t rows[MX_TILE_ROWS],
-                            const int64_t xrow[MX_TILE_PAIRS], int64_t k0, int64_t kc, float *bscale)
-{
-    const int64_t nkb = (gw->K + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK, kb0 = k0 / MX_FP8_BLOCK;
-    for (int64_t s = 0; s < (kc + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK; s++)
-        for (int r = 0; r < MX_TILE_ROWS; r++) {
-            const float sw = gw->scale[rows[r] / MX_FP8_BLOCK * nkb + kb0 + s];
-            for (int p = 0; p < MX_TILE_PAIRS; p++)
-                MX_BSCALE(bscale, s, r, p) = MX_FP8_UNSCALE * (in->scale[xrow[p] * in->ld_scale + kb0 + s] * sw);
-        }
+    mx_tile_generic(wdt, w, x, np, K, wstore, ldstore, bs, out);
 }
 
 void mx_gemm_rows(const mx_gemm_weights *gw, int64_t row0, int nrows, const mx_gemm_input *in,
                   const int32_t *pairs, int64_t np, float *d, int64_t ldd)
 {
     _Alignas(64) float wbuf[MX_WBUF_FLOATS];
-    float bscale[MX_KC_MAX / MX_FP8_BLOCK * MX_TILE_ROWS * MX_TILE_PAIRS];
     const mx_dtype dt = gw->dtype;
     const size_t esize = mx_dtype_size(dt);
     const int64_t K = gw->K;
-    const int keep = np > MX_TILE_PAIRS && dt != MX_F32;
+    const int keep = np > MX_TILE_PAIRS && dt != MX_F32, block = gw->quant == MX_QUANT_FP8_BLOCK;
+    const int64_t nkb = (K + MX_FP8_BLOCK - 1) / MX_FP8_BLOCK;
     const int64_t kc_max = K < MX_KC_MAX ? K : MX_KC_MAX, ldk = kc_max + MX_WBUF_PAD;
     int nb = (int)(MX_WBUF_FLOATS / ldk);
     nb -= nb % MX_TILE_ROWS;
@@ -361,10 +354,15 @@ void mx_gemm_rows(const mx_gemm_weights *gw, int64_t row0, int nrows, const mx_g
                     /* prefetch the next 4 rows while they are in this call */
                     const ptrdiff_t pf = !from_buf && rb + r0 + 2 * MX_TILE_ROWS <= nrows
                                              ? (ptrdiff_t)(MX_TILE_ROWS * K * (int64_t)esize) : 0;
-                    if (gw->quant == MX_QUANT_FP8_BLOCK)
-                        mx_block_scales(gw, in, rows, xrow, k0, kc, bscale);
+                    mx_tile_scales bs;
+                    if (block) {
+                        for (int i = 0; i < MX_TILE_ROWS; i++)
+                            bs.w[i] = gw->scale + rows[i] / MX_FP8_BLOCK * nkb + k0 / MX_FP8_BLOCK;
+                        for (int j = 0; j < MX_TILE_PAIRS; j++)
+                            bs.x[j] = in->scale + xrow[j] * in->ld_scale + k0 / MX_FP8_BLOCK;
+                    }
                     mx_tile(gw->avx2, from_buf ? MX_F32 : dt, ws, xs, tp, kc, keep && p0 == 0 ? wbuf + r0 * ldk : NULL,
-                            ldk, pf, gw->quant == MX_QUANT_FP8_BLOCK ? bscale : NULL, out);
+                            ldk, pf, block ? &bs : NULL, out);
                     for (int i = 0; i < tr; i++)
                         for (int j = 0; j < tp; j++)
                             out[i][j] = k0 ? d[q[j] * ldd + rb + r0 + i] + out[i][j] : out[i][j];

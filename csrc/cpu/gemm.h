@@ -16,7 +16,8 @@ typedef struct mx_gemm_weights {
     int avx2;            /* mx_gemm_avx2() */
 } mx_gemm_weights;
 
-/* The float32 input rows: pair q reads row q / div, at x + (q / div) * ld. */
+/* The float32 input rows: pair q reads row q / div, at x + (q / div) * ld.
+ * With an FP8 quant they hold fp8 values (the quantized inputs). */
 typedef struct mx_gemm_input {
     const float *x;
     int64_t ld, div;
