@@ -1,0 +1,48 @@
+"""Small CUDA forwards run under compute-sanitizer by test_sanitizer.py: routing modes,
+bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods."""
+import torch
+
+import moe_ext
+
+
+def fill(layer, gen):
+    for p in layer.parameters():
+        p.data.copy_((torch.randn(p.shape, generator=gen) * 0.05).to(p.dtype))
+
+
+def main():
+    gen = torch.Generator().manual_seed(5)
+    cases = [
+        dict(num_experts=7, top_k=3, hidden_size=67, intermediate_size=45),
+        dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, has_bias=True,
+             activation="swigluoai"),
+        dict(num_experts=16, top_k=4, hidden_size=128, intermediate_size=96, use_grouped_topk=True,
+             num_expert_group=4, topk_group=2, scoring_func="sigmoid", routed_scaling_factor=2.5),
+        dict(num_experts=6, top_k=1, hidden_size=64, intermediate_size=32, is_act_and_mul=False,
+             activation="relu2", ep_size=2, ep_rank=1),
+    ]
+    for dtype in (torch.bfloat16, torch.float16):
+        for kw in cases:
+            layer = moe_ext.FusedMoE(params_dtype=dtype, device="cuda", **kw)
+            fill(layer, gen)
+            for m in (1, 5, 33):
+                x = torch.randn(m, kw["hidden_size"], generator=gen).to("cuda", dtype)
+                logits = torch.randn(m, kw["num_experts"], generator=gen).cuda()
+                assert torch.isfinite(layer(x, logits)).all()
+    for block in (None, [128, 128]):
+        layer = moe_ext.FusedMoE(8, 2, 200, 130, params_dtype=torch.bfloat16, device="cuda",
+                                 quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
+        for e in range(8):
+            for shard, shape in (("w1", (130, 200)), ("w3", (130, 200)), ("w2", (200, 130))):
+                param = layer.w2_weight if shard == "w2" else layer.w13_weight
+                w = torch.randn(*shape, generator=gen) * 0.05
+                param.weight_loader(param, w, "experts.weight", shard_id=shard, expert_id=e)
+        for m in (1, 9):
+            x = torch.randn(m, 200, generator=gen).to("cuda", torch.bfloat16)
+            assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
+    torch.cuda.synchronize()
+    print("sanitizer cases done")
+
+
+if __name__ == "__main__":
+    main()
