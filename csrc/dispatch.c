@@ -14,62 +14,6 @@ static size_t align_up(size_t n)
     return (n + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
 }
 
-/* Runs `call` on the tensor's device with the current stream. */
-typedef struct device_scope {
-    int previous;
-    void *stream;
-    int swapped;
-} device_scope;
-
-#ifdef MOE_EXT_WITH_CUDA
-static int enter_device(mx_module_state *st, const mx_tensor *t, device_scope *scope)
-{
-    scope->swapped = 0;
-    scope->stream = NULL;
-    if (t->device_type != MX_CUDA)
-        return 0;
-    mx_status status = mx_cuda_swap_device(t->device_id, &scope->previous);
-    if (status.code != MX_OK) {
-        mx_raise_status(&status);
-        return -1;
-    }
-    scope->swapped = 1;
-    if (mx_current_stream(st, t->device_id, &scope->stream) < 0) {
-        int ignored;
-        mx_cuda_swap_device(scope->previous, &ignored);
-        scope->swapped = 0;
-        return -1;
-    }
-    return 0;
-}
-
-static void leave_device(device_scope *scope)
-{
-    if (scope->swapped) {
-        int ignored;
-        mx_cuda_swap_device(scope->previous, &ignored);
-    }
-}
-#else
-static int enter_device(mx_module_state *st, const mx_tensor *t, device_scope *scope)
-{
-    (void)st;
-    scope->swapped = 0;
-    scope->stream = NULL;
-    if (t->device_type == MX_CUDA) {
-        PyErr_SetString(PyExc_NotImplementedError, "CUDA tensors: this moe_ext build has no CUDA "
-                        "engine (built without nvcc or with MOE_EXT_CUDA=0)");
-        return -1;
-    }
-    return 0;
-}
-
-static void leave_device(device_scope *scope)
-{
-    (void)scope;
-}
-#endif
-
 static mx_status route_on(const mx_tensor *where, const mx_routing_problem *p, void *stream)
 {
 #ifdef MOE_EXT_WITH_CUDA
@@ -184,13 +128,13 @@ PyObject *mx_run_route(mx_module_state *st, const mx_route_args *a, const mx_ten
     if (!ids)
         goto error;
     if (shape[0] > 0) {
-        device_scope scope;
-        if (enter_device(st, logits, &scope) < 0)
+        mx_device_scope scope;
+        if (mx_enter_device(st, logits, &scope) < 0)
             goto error;
         mx_routing_problem p;
         fill_routing_problem(&p, a, logits, bias, wv.data, iv.data);
         mx_status status = route_on(logits, &p, scope.stream);
-        leave_device(&scope);
+        mx_leave_device(&scope);
         if (status.code != MX_OK) {
             mx_raise_status(&status);
             goto error;
@@ -403,8 +347,8 @@ PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_expe
     char *ws = (char *)(((uintptr_t)ws_view.data + WORKSPACE_ALIGN - 1) &
                         ~(uintptr_t)(WORKSPACE_ALIGN - 1));
 
-    device_scope scope;
-    if (enter_device(st, x, &scope) < 0)
+    mx_device_scope scope;
+    if (mx_enter_device(st, x, &scope) < 0)
         goto error;
     mx_status status = {MX_OK, ""};
     if (routed_here) {
@@ -421,7 +365,7 @@ PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_expe
     }
     if (status.code == MX_OK)
         status = experts_on(x, &p, ws + routing_bytes, scope.stream);
-    leave_device(&scope);
+    mx_leave_device(&scope);
     Py_DECREF(workspace); /* stream-ordered reuse in torch's caching allocator */
     workspace = NULL;
     if (status.code != MX_OK) {

@@ -23,8 +23,6 @@
  */
 #include "glue.h"
 
-#include <stddef.h>
-
 typedef struct {
     PyObject_HEAD
     int block; /* 128x128 blocks (1) or per tensor (0) */
@@ -131,8 +129,6 @@ static int check_ready(PyObject *layer)
     return -1;
 }
 
-#define VIEW(field) offsetof(mx_moe_views, field)
-
 /* MoE: apply(layer, x, topk_weights, topk_ids, shared_experts_input=None) */
 static PyObject *apply_moe(Fp8MethodObject *m, PyObject *args, PyObject *kwargs)
 {
@@ -149,8 +145,9 @@ static PyObject *apply_moe(Fp8MethodObject *m, PyObject *args, PyObject *kwargs)
         "w13_scale", "w2_scale", "expert_map",
     };
     static const size_t fields[] = {
-        VIEW(x), VIEW(topk_weights), VIEW(topk_ids), VIEW(w13), VIEW(w2), VIEW(w13_bias),
-        VIEW(w2_bias), VIEW(w13_scale), VIEW(w2_scale), VIEW(expert_map),
+        MX_VIEW(x), MX_VIEW(topk_weights), MX_VIEW(topk_ids), MX_VIEW(w13), MX_VIEW(w2),
+        MX_VIEW(w13_bias), MX_VIEW(w2_bias), MX_VIEW(w13_scale), MX_VIEW(w2_scale),
+        MX_VIEW(expert_map),
     };
     const char *attrs[] = {"w13_weight", "w2_weight", "w13_bias", "w2_bias",
                            scale_name(m, 0), scale_name(m, 1), "_expert_map"};
@@ -278,18 +275,10 @@ static PyMethodDef method_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static void method_dealloc(PyObject *self)
-{
-    PyTypeObject *type = Py_TYPE(self);
-    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    tp_free(self);
-    Py_DECREF(type);
-}
-
 static PyType_Slot method_slots[] = {
     {Py_tp_doc, "An online FP8 quantization method (moe_ext._C)."},
     {Py_tp_init, method_init},
-    {Py_tp_dealloc, method_dealloc},
+    {Py_tp_dealloc, mx_heap_dealloc},
     {Py_tp_methods, method_methods},
     {Py_tp_getset, method_getset},
     {Py_tp_new, PyType_GenericNew},

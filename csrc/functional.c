@@ -3,8 +3,6 @@
  * copy). moe_ext/functional.py and moe_ext/layer.py are their callers. */
 #include "glue.h"
 
-#include <stddef.h>
-
 /* route(router_logits, top_k, scoring_func="softmax", renormalize=True,
  *       num_expert_group=0, topk_group=0, routed_scaling_factor=1.0,
  *       e_score_correction_bias=None) -> (topk_weights, topk_ids) */
@@ -54,11 +52,9 @@ PyObject *mx_py_experts(PyObject *module, PyObject *args, PyObject *kwargs)
         "expert_map", "w13_scale", "w2_scale",
     };
     static const size_t fields[] = {
-        offsetof(mx_moe_views, x), offsetof(mx_moe_views, w13), offsetof(mx_moe_views, w2),
-        offsetof(mx_moe_views, topk_weights), offsetof(mx_moe_views, topk_ids),
-        offsetof(mx_moe_views, w13_bias), offsetof(mx_moe_views, w2_bias),
-        offsetof(mx_moe_views, expert_map), offsetof(mx_moe_views, w13_scale),
-        offsetof(mx_moe_views, w2_scale),
+        MX_VIEW(x), MX_VIEW(w13), MX_VIEW(w2), MX_VIEW(topk_weights), MX_VIEW(topk_ids),
+        MX_VIEW(w13_bias), MX_VIEW(w2_bias), MX_VIEW(expert_map), MX_VIEW(w13_scale),
+        MX_VIEW(w2_scale),
     };
     PyObject *objs[10] = {NULL}, *activation = NULL, *quant = NULL;
     long long global = -1;
@@ -105,28 +101,18 @@ PyObject *mx_py_copy(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     if (mx_check_shape(&src, "src", dst.ndim, dst.shape) < 0)
         goto done;
-    mx_status status;
-    if (mx_numel(&dst) == 0) {
-        status.code = MX_OK;
-    } else if (dst.device_type == MX_CUDA) {
+    mx_status status = {MX_OK, ""};
+    if (mx_numel(&dst) > 0) {
+        mx_device_scope scope;
+        if (mx_enter_device(st, &dst, &scope) < 0)
+            goto done;
 #ifdef MOE_EXT_WITH_CUDA
-        int previous;
-        void *stream;
-        status = mx_cuda_swap_device(dst.device_id, &previous);
-        if (status.code == MX_OK) {
-            if (mx_current_stream(st, dst.device_id, &stream) < 0) {
-                mx_cuda_swap_device(previous, &previous);
-                goto done;
-            }
-            status = mx_cuda_copy(&dst, &src, stream);
-            mx_cuda_swap_device(previous, &previous);
-        }
-#else
-        PyErr_SetString(PyExc_NotImplementedError, "dst: this moe_ext build has no CUDA engine");
-        goto done;
+        if (dst.device_type == MX_CUDA)
+            status = mx_cuda_copy(&dst, &src, scope.stream);
+        else
 #endif
-    } else {
-        status = mx_cpu_copy(&dst, &src);
+            status = mx_cpu_copy(&dst, &src);
+        mx_leave_device(&scope);
     }
     if (status.code != MX_OK) {
         mx_raise_status(&status);

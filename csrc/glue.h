@@ -6,6 +6,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stddef.h>
+
 #include "moe_ext/abi.h"
 #include "moe_ext/dlpack_abi.h"
 
@@ -47,6 +49,18 @@ PyObject *mx_new_tensor(mx_module_state *st, mx_dtype dtype, int ndim, const int
 /* The producer's current work stream on a CUDA device. 0 => ok; -1 => error set. */
 int mx_current_stream(mx_module_state *st, int device_id, void **stream);
 
+/* The device a call runs on: mx_enter_device makes the tensor's CUDA device
+ * current and fetches the current stream (NULL on the CPU); mx_leave_device
+ * restores the caller's device. 0 => ok; -1 => error set (also for CUDA
+ * tensors in a build without CUDA). */
+typedef struct mx_device_scope {
+    int previous;
+    void *stream;
+    int swapped;
+} mx_device_scope;
+int mx_enter_device(mx_module_state *st, const mx_tensor *t, mx_device_scope *scope);
+void mx_leave_device(mx_device_scope *scope);
+
 /* Raises the Python exception matching a failed status; always returns NULL. */
 PyObject *mx_raise_status(const mx_status *status);
 
@@ -61,6 +75,9 @@ int mx_check_same_device(const mx_tensor *t, const char *name, const mx_tensor *
                          const char *ref_name);
 int mx_is_contiguous(const mx_tensor *t);
 int64_t mx_numel(const mx_tensor *t);
+
+/* tp_dealloc of moe_ext's heap types (no GC-tracked fields). */
+void mx_heap_dealloc(PyObject *self);
 
 /* Type setup, called in order by module exec. 0 => ok; -1 => error. */
 int mx_setup_core_type(PyObject *module);
@@ -115,6 +132,8 @@ PyObject *mx_run_route(mx_module_state *st, const mx_route_args *a, const mx_ten
  * (data != NULL) skips routing. */
 PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_experts_args *ea,
                      const mx_moe_views *v);
+#define MX_VIEW(field) offsetof(mx_moe_views, field)
+
 /* Imports `objs[i]` into the view fields named by `fields` (offsets into
  * mx_moe_views); the first `required` must be tensors, the rest may be None. */
 int mx_import_views(mx_module_state *st, mx_imports *keep, PyObject *const *objs, int n,

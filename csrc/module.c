@@ -26,6 +26,14 @@ mx_module_state *mx_state_by_type(PyTypeObject *type)
     return mx_state(PyType_GetModule(type));
 }
 
+void mx_heap_dealloc(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type); /* instances of heap types own a reference to their type */
+}
+
 /* register_torch(tensor_type, empty, stream, exchange_api=True): the exchange
  * table is looked up on tensor_type (unless exchange_api is false: then every
  * tensor takes the __dlpack__ path); empty(shape, dtype_name, device) and

@@ -16,8 +16,6 @@
  */
 #include "glue.h"
 
-#include <stddef.h>
-
 typedef struct {
     PyObject_HEAD
     mx_route_args route;
@@ -67,49 +65,19 @@ static int core_init(PyObject *self, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
-#define VIEW(field) offsetof(mx_moe_views, field)
+/* The tensor arguments of one MoECore method, in order. */
+typedef struct core_signature {
+    const char *what;             /* method name for errors */
+    int required;                 /* leading arguments that must be tensors */
+    const char *const names[10];  /* argument names for errors */
+    const size_t fields[10];      /* where each lands in mx_moe_views */
+} core_signature;
 
-/* forward(x, router_logits, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale,
- *         e_score_correction_bias, expert_map) */
-static PyObject *core_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *core_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                           const core_signature *sig)
 {
-    static const char *const names[] = {
-        "hidden_states", "router_logits", "w13", "w2", "w13_bias", "w2_bias", "w13_scale",
-        "w2_scale", "e_score_correction_bias", "expert_map",
-    };
-    static const size_t fields[] = {
-        VIEW(x), VIEW(router_logits), VIEW(w13), VIEW(w2), VIEW(w13_bias), VIEW(w2_bias),
-        VIEW(w13_scale), VIEW(w2_scale), VIEW(correction_bias), VIEW(expert_map),
-    };
     if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "MoECore.forward takes 10 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    MoECoreObject *core = (MoECoreObject *)self;
-    mx_module_state *st = mx_state_by_type(Py_TYPE(self));
-    mx_imports keep = {0};
-    mx_moe_views v;
-    PyObject *result = NULL;
-    if (mx_import_views(st, &keep, args, 10, 4, fields, names, &v) == 0)
-        result = mx_run_moe(st, &core->route, &core->experts, &v);
-    mx_imports_release(&keep);
-    return result;
-}
-
-/* forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, w13_scale,
- *                w2_scale, expert_map) */
-static PyObject *core_forward_routed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    static const char *const names[] = {
-        "hidden_states", "topk_weights", "topk_ids", "w13", "w2", "w13_bias", "w2_bias",
-        "w13_scale", "w2_scale", "expert_map",
-    };
-    static const size_t fields[] = {
-        VIEW(x), VIEW(topk_weights), VIEW(topk_ids), VIEW(w13), VIEW(w2), VIEW(w13_bias),
-        VIEW(w2_bias), VIEW(w13_scale), VIEW(w2_scale), VIEW(expert_map),
-    };
-    if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "MoECore.forward_routed takes 10 arguments (%zd given)",
+        PyErr_Format(PyExc_TypeError, "MoECore.%s takes 10 arguments (%zd given)", sig->what,
                      nargs);
         return NULL;
     }
@@ -118,10 +86,40 @@ static PyObject *core_forward_routed(PyObject *self, PyObject *const *args, Py_s
     mx_imports keep = {0};
     mx_moe_views v;
     PyObject *result = NULL;
-    if (mx_import_views(st, &keep, args, 10, 5, fields, names, &v) == 0)
+    if (mx_import_views(st, &keep, args, 10, sig->required, sig->fields, sig->names, &v) == 0)
         result = mx_run_moe(st, &core->route, &core->experts, &v);
     mx_imports_release(&keep);
     return result;
+}
+
+/* forward(x, router_logits, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale,
+ *         e_score_correction_bias, expert_map) */
+static PyObject *core_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const core_signature sig = {
+        "forward", 4,
+        {"hidden_states", "router_logits", "w13", "w2", "w13_bias", "w2_bias", "w13_scale",
+         "w2_scale", "e_score_correction_bias", "expert_map"},
+        {MX_VIEW(x), MX_VIEW(router_logits), MX_VIEW(w13), MX_VIEW(w2), MX_VIEW(w13_bias),
+         MX_VIEW(w2_bias), MX_VIEW(w13_scale), MX_VIEW(w2_scale), MX_VIEW(correction_bias),
+         MX_VIEW(expert_map)},
+    };
+    return core_call(self, args, nargs, &sig);
+}
+
+/* forward_routed(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, w13_scale,
+ *                w2_scale, expert_map) */
+static PyObject *core_forward_routed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const core_signature sig = {
+        "forward_routed", 5,
+        {"hidden_states", "topk_weights", "topk_ids", "w13", "w2", "w13_bias", "w2_bias",
+         "w13_scale", "w2_scale", "expert_map"},
+        {MX_VIEW(x), MX_VIEW(topk_weights), MX_VIEW(topk_ids), MX_VIEW(w13), MX_VIEW(w2),
+         MX_VIEW(w13_bias), MX_VIEW(w2_bias), MX_VIEW(w13_scale), MX_VIEW(w2_scale),
+         MX_VIEW(expert_map)},
+    };
+    return core_call(self, args, nargs, &sig);
 }
 
 PyObject *mx_core_run(mx_module_state *st, PyObject *core, const mx_moe_views *v)
@@ -144,18 +142,10 @@ static PyMethodDef core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static void core_dealloc(PyObject *self)
-{
-    PyTypeObject *type = Py_TYPE(self);
-    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    tp_free(self);
-    Py_DECREF(type);
-}
-
 static PyType_Slot core_slots[] = {
     {Py_tp_doc, "Configuration and dispatch of one FusedMoE layer (moe_ext._C)."},
     {Py_tp_init, core_init},
-    {Py_tp_dealloc, core_dealloc},
+    {Py_tp_dealloc, mx_heap_dealloc},
     {Py_tp_methods, core_methods},
     {Py_tp_new, PyType_GenericNew},
     {0, NULL},

@@ -13,8 +13,7 @@ static int64_t ceil_div(int64_t a, int64_t b)
     return (a + b - 1) / b;
 }
 
-/* Runs `call` for a tensor's device: the CPU engine, or the CUDA engine on
- * the device's current stream. */
+/* One quantizer or linear call, run by run_on on the tensor's device. */
 typedef struct quant_call {
     const mx_fp8_quant_problem *quant;
     const mx_fp8_linear_problem *linear;
@@ -34,33 +33,19 @@ static size_t linear_workspace_on(const mx_tensor *where, const mx_fp8_linear_pr
 /* 0 => ok; -1 => error set. */
 static int run_on(mx_module_state *st, const mx_tensor *where, const quant_call *call)
 {
-    mx_status status;
-    if (where->device_type == MX_CUDA) {
-#ifdef MOE_EXT_WITH_CUDA
-        int previous;
-        void *stream;
-        status = mx_cuda_swap_device(where->device_id, &previous);
-        if (status.code != MX_OK) {
-            mx_raise_status(&status);
-            return -1;
-        }
-        if (mx_current_stream(st, where->device_id, &stream) < 0) {
-            mx_cuda_swap_device(previous, &previous);
-            return -1;
-        }
-        status = call->quant ? mx_cuda_fp8_quant(call->quant, stream)
-                             : mx_cuda_fp8_linear(call->linear, call->workspace, stream);
-        mx_cuda_swap_device(previous, &previous);
-#else
-        (void)st;
-        PyErr_SetString(PyExc_NotImplementedError, "CUDA tensors: this moe_ext build has no "
-                        "CUDA engine");
+    mx_device_scope scope;
+    if (mx_enter_device(st, where, &scope) < 0)
         return -1;
+    mx_status status;
+#ifdef MOE_EXT_WITH_CUDA
+    if (where->device_type == MX_CUDA)
+        status = call->quant ? mx_cuda_fp8_quant(call->quant, scope.stream)
+                             : mx_cuda_fp8_linear(call->linear, call->workspace, scope.stream);
+    else
 #endif
-    } else {
         status = call->quant ? mx_cpu_fp8_quant(call->quant)
                              : mx_cpu_fp8_linear(call->linear, call->workspace);
-    }
+    mx_leave_device(&scope);
     if (status.code != MX_OK) {
         mx_raise_status(&status);
         return -1;
