@@ -22,6 +22,9 @@
 #define MX_OMP(x)
 #endif
 
+/* Multiply-adds under which a call stays on one thread (waking the team costs more). */
+#define MX_PARALLEL_MIN_WORK (1 << 20)
+
 #if defined(__GNUC__)
 #define MX_PRINTF_LIKE(fmt, first) __attribute__((format(printf, fmt, first)))
 #else

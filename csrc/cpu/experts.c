@@ -561,8 +561,12 @@ mx_status mx_cpu_experts(const mx_experts_problem *p, void *workspace)
         .a_scale = 0.0f,
     };
     const int64_t last = plan.nchunks - 1;
+    /* Below about a million multiply-adds, waking the thread team costs more than it saves. */
+    const int parallel = (double)p->num_tokens * p->top_k * (double)c.H * (double)c.I * 3.0 >=
+                         MX_PARALLEL_MIN_WORK;
+    (void)parallel; /* unused without OpenMP */
 
-    MX_OMP(parallel)
+    MX_OMP(parallel if (parallel))
     {
         if (p->quant == MX_QUANT_FP8_TENSOR) {
             mx_x_scale(&c);

@@ -20,6 +20,7 @@
  * at run time (the build needs no -march); elsewhere, and on CPUs without
  * AVX2, portable C. The arithmetic of an output does not depend on which
  * thread runs it. */
+#include <stdatomic.h>
 #include <math.h>
 
 #include "gemm.h"
@@ -282,7 +283,7 @@ static int mx_tile_dtype_index(mx_dtype wdt)
 
 /* AVX2 and FMA (with OS support, per __builtin_cpu_supports) and F16C
  * (CPUID.1:ECX bit 29; Clang's __builtin_cpu_supports lacks "f16c"). */
-int mx_gemm_avx2(void)
+static int mx_detect_avx2(void)
 {
 #if MX_HAVE_AVX2_PATH
     unsigned eax, ebx, ecx, edx;
@@ -292,6 +293,18 @@ int mx_gemm_avx2(void)
 #else
     return 0;
 #endif
+}
+
+/* Detected once: CPUID traps to the hypervisor in a VM (microseconds per call). */
+int mx_gemm_avx2(void)
+{
+    static _Atomic int cached = -1;
+    int avx2 = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (avx2 < 0) {
+        avx2 = mx_detect_avx2();
+        atomic_store_explicit(&cached, avx2, memory_order_relaxed);
+    }
+    return avx2;
 }
 
 static void mx_tile(int avx2, mx_dtype wdt, const void *const w[MX_TILE_ROWS], const float *const x[MX_TILE_PAIRS],

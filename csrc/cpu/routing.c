@@ -141,7 +141,7 @@ mx_status mx_cpu_route(const mx_routing_problem *p)
     if (M == 0)
         return mx_ok();
 
-    MX_OMP(parallel)
+    MX_OMP(parallel if (M * E >= MX_PARALLEL_MIN_WORK / 64))
     {
         /* G <= E, so group scores fit the same bound */
         float scores[MX_ROUTE_MAX_EXPERTS], choice[MX_ROUTE_MAX_EXPERTS], group_score[MX_ROUTE_MAX_EXPERTS];
