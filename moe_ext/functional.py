@@ -18,11 +18,27 @@ def _cast_ids(topk_ids, indices_type):
     return topk_ids if indices_type is None else topk_ids.to(indices_type)
 
 
-def _reject_quantization(**scales):
-    given = [name for name, value in scales.items() if value is not None]
+def _quant_mode(w1, w1_scale, w2_scale, a1_scale, a2_scale, block_shape):
+    """'none', 'fp8_tensor' or 'fp8_block' from the weights and scales given (vLLM's
+    fused_experts arguments); static activation scales are not supported."""
+    given = [name for name, value in (("a1_scale", a1_scale), ("a2_scale", a2_scale))
+             if value is not None]
     if given:
-        raise NotImplementedError(f"{', '.join(given)}: quantized fused_experts (FP8/INT8/WNA16) "
-                                  "is not implemented yet; pass unquantized weights")
+        raise NotImplementedError(f"{', '.join(given)}: static activation scales are not "
+                                  "supported; FP8 activations are quantized dynamically")
+    if w1.dtype != torch.float8_e4m3fn:
+        if w1_scale is not None or w2_scale is not None or block_shape is not None:
+            raise NotImplementedError("w1_scale, w2_scale, block_shape: quantized fused_experts "
+                                      "needs float8_e4m3fn weights (INT8/WNA16 are not "
+                                      "implemented)")
+        return "none"
+    if w1_scale is None or w2_scale is None:
+        raise ValueError("w1_scale, w2_scale: float8_e4m3fn weights need their scales")
+    if block_shape is None:
+        return "fp8_tensor"
+    if list(block_shape) != [128, 128]:
+        raise NotImplementedError(f"block_shape: only [128, 128] is supported, got {block_shape}")
+    return "fp8_block"
 
 
 def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
@@ -76,9 +92,9 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
                   block_shape=None, w1_bias=None, w2_bias=None, swiglu_alpha=1.702,
                   swiglu_limit=7.0, is_act_and_mul=None):
     """The experts for a given routing; returns [M, H] in hidden_states.dtype
-    (written into hidden_states when inplace=True)."""
-    _reject_quantization(w1_scale=w1_scale, w2_scale=w2_scale, a1_scale=a1_scale,
-                         a2_scale=a2_scale, block_shape=block_shape)
+    (written into hidden_states when inplace=True). float8_e4m3fn weights with w1_scale /
+    w2_scale run w8a8 (per tensor, or 128x128 blocks with block_shape=[128, 128])."""
+    quant = _quant_mode(w1, w1_scale, w2_scale, a1_scale, a2_scale, block_shape)
     act, gated = parse_activation(activation, is_act_and_mul)
     if is_act_and_mul is None and w1.dim() == 3 and w2.dim() == 3 and w1.shape[1] == w2.shape[2]:
         gated = False
@@ -86,7 +102,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
                      is_act_and_mul=gated, w13_bias=w1_bias, w2_bias=w2_bias,
                      expert_map=expert_map, global_num_experts=global_num_experts,
                      apply_router_weight_on_input=apply_router_weight_on_input,
-                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, quant=quant,
+                     w13_scale=w1_scale, w2_scale=w2_scale)
     if inplace:
         hidden_states.copy_(out)
         return hidden_states

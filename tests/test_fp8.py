@@ -318,6 +318,32 @@ def test_fp8_moe_apply_matches_forward(method, device, gen):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
+def test_functional_fused_experts_fp8(method, device, gen):
+    """vLLM's functional fused_experts with float8 weights and w1_scale / w2_scale (and
+    block_shape) computes what the FP8 layer holding those weights computes."""
+    model, layer = fp8_model("mixtral", method, device)
+    ckpt, _ = checkpoint(gen, "mixtral", e=E, h=H, i=I, dtype=torch.bfloat16)
+    vllm_load(model, ckpt, "mixtral")
+    x = randn(gen, 21, H, dtype=torch.bfloat16, device=device)
+    logits = randn(gen, 21, E, device=device, scale=2.0)
+    topk_weights, topk_ids = FusedMoE.select_experts(x, logits, K, False, True)
+    scales = [layer._parameters[n] for n in layer._fp8_scale_names]
+    out = moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                w1_scale=scales[0], w2_scale=scales[1],
+                                block_shape=METHODS[method])
+    assert torch.equal(out, layer(x, logits))
+    want = ref.fp8_experts(x.cpu(), *(w.cpu() for w in dequantized(layer)), topk_weights.cpu(),
+                           topk_ids.cpu(), block=method == "block", act_dtype=torch.bfloat16)
+    assert ref.rel_err(out, want) <= FP8_TOL
+    with pytest.raises(ValueError, match="w1_scale"):
+        moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+    with pytest.raises(NotImplementedError, match="a1_scale"):
+        moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                              w1_scale=scales[0], w2_scale=scales[1],
+                              block_shape=METHODS[method], a1_scale=torch.ones(1))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_moe_forward_is_repeatable(method, device, gen):
     model, layer = fp8_model("qwen", method, device)
     ckpt, _ = checkpoint(gen, "qwen", e=E, h=H, i=I, dtype=torch.bfloat16)
