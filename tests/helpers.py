@@ -42,3 +42,18 @@ def keep_rows(margin):
     """Row mask of the tokens without routing near-ties (see reference.NEAR_TIE)."""
     from reference import NEAR_TIE
     return (margin >= NEAR_TIE).cpu()
+
+
+def capture_forward(layer, static_x, static_logits, warmup=3):
+    """Warms the layer up on a side stream, then captures one forward in a CUDA graph:
+    (graph, static_out); replays read static_x / static_logits and write static_out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            layer(static_x, static_logits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x, static_logits)
+    return graph, static_out

@@ -6,7 +6,7 @@ import torch
 
 import moe_ext
 from moe_ext import Fp8OnlineConfig, FusedMoE
-from helpers import keep_rows, randn
+from helpers import capture_forward, keep_rows, randn
 import reference as ref
 from test_loading import build_model, checkpoint, vllm_load
 
@@ -602,15 +602,7 @@ def test_fp8_moe_cuda_graph_replay_with_new_inputs(method, gen):
     m = 33
     static_x = randn(gen, m, H, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, E, device="cuda", scale=2.0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            layer(static_x, static_logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x, static_logits)
+    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
     for _ in range(3):
         x = randn(gen, m, H, dtype=torch.bfloat16, device="cuda", scale=float(
             torch.rand(1, generator=gen) * 4 + 0.1))  # a new per-tensor scale each time

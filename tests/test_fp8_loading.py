@@ -9,7 +9,7 @@ import torch
 
 import moe_ext
 from moe_ext import Fp8OnlineConfig, FusedMoE
-from helpers import randn
+from helpers import capture_forward, randn
 import reference as ref
 from test_fp8 import (E, FP8, FP8_TOL, H, I, K, METHODS, assert_bits_equal, assert_scales_equal,
                       compare, fp8_model, fp8_reference, u8)
@@ -580,15 +580,7 @@ def test_reload_keeps_a_captured_cuda_graph_valid(method, gen):
     m = 33
     static_x = randn(gen, m, H, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, E, device="cuda", scale=2.0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            layer(static_x, static_logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x, static_logits)
+    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
     graph.replay()
     torch.cuda.synchronize()
     old = static_out.clone()

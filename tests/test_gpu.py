@@ -4,7 +4,7 @@ import torch
 
 import moe_ext
 from moe_ext import FusedMoE
-from helpers import expert_weights, keep_rows, make_layer, randn
+from helpers import capture_forward, expert_weights, keep_rows, make_layer, randn
 import reference as ref
 from test_loading import build_model, checkpoint, reference_w, vllm_load
 
@@ -70,15 +70,7 @@ def test_cuda_graph_capture_and_replay(cfg, dtype, gen):
     m = 33
     static_x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
     static_logits = randn(gen, m, e, device="cuda", scale=2.0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            layer(static_x, static_logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x, static_logits)
+    graph, static_out = capture_forward(layer, static_x, static_logits)
     for _ in range(3):
         x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
         logits = randn(gen, m, e, device="cuda", scale=2.0)

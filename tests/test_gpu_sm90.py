@@ -4,7 +4,7 @@ H and I are multiples of 8 (TMA strides) but not of 64, so the k tails and parti
 import pytest
 import torch
 
-from helpers import randn
+from helpers import capture_forward, randn
 from test_gpu import CONFIGS, check, cuda_case
 
 pytestmark = pytest.mark.gpu
@@ -33,15 +33,7 @@ def test_prefill_graph_replay(gen):
     m = 512
     static_x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, e, device="cuda", scale=2.0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            layer(static_x, static_logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x, static_logits)
+    graph, static_out = capture_forward(layer, static_x, static_logits)
     for _ in range(2):
         x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
         logits = randn(gen, m, e, device="cuda", scale=2.0)
