@@ -135,3 +135,35 @@ def test_weight_loader(layer, gen):
     assert refcounts(w1, w2, b1, *params) == counts
     assert torch.equal(layer.w13_weight[:, I:], w1.expand(E, I, H))
     assert growth < RSS_LIMIT, f"RSS grew by {growth / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("block", [None, [128, 128]], ids=["tensor", "block"])
+def test_fp8_forward_apply_linear_and_errors(gen, block):
+    """The FP8 C method types (apply fetches the layer's attributes) and the quantizers."""
+    config = moe_ext.Fp8OnlineConfig(weight_block_size=block)
+    h, i = 256, 192
+    layer = FusedMoE(E, K, h, i, params_dtype=torch.bfloat16, quant_config=config)
+    for e in range(E):
+        for shard, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+            param = layer.w2_weight if shard == "w2" else layer.w13_weight
+            param.weight_loader(param, randn(gen, *shape, scale=0.05), "experts.weight",
+                                shard_id=shard, expert_id=e)
+    linear = moe_ext.Linear(h, 64, params_dtype=torch.bfloat16, quant_config=config)
+    linear.weight.weight_loader(linear.weight, randn(gen, 64, h, scale=0.05))
+    x, logits = randn(gen, M, h, dtype=torch.bfloat16), randn(gen, M, E)
+    weights, ids = FusedMoE.select_experts(x, logits, K, False, True)
+    params = list(layer.parameters()) + list(linear.parameters())
+    counts = refcounts(x, logits, weights, ids, *params)
+
+    def calls():
+        layer(x, logits)
+        layer.quant_method.apply(layer, x, weights, ids)
+        layer.quant_method.get_fused_moe_quant_config(layer)
+        linear(x)
+        moe_ext.per_token_group_quant_fp8(x, 128)
+        with pytest.raises(TypeError):
+            layer.quant_method.apply(layer, x.float(), weights, ids)
+
+    growth = rss_growth(calls, n=N // 2, warm=WARM // 2)
+    assert refcounts(x, logits, weights, ids, *params) == counts
+    assert growth < RSS_LIMIT, f"RSS grew by {growth / 2**20:.1f} MiB over {N // 2} rounds"
