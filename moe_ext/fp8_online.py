@@ -180,7 +180,7 @@ def moe_weight_loader(layer, param, loaded_weight, weight_name, shard_id, expert
     layer._check_shard(shard_id, loaded_weight, weight_name)
     if loaded_weight.dim() == 3:  # all experts at once
         experts = layer._this_ranks_experts(loaded_weight)
-        for local, global_id in enumerate(layer._local_expert_ids()):
+        for local in range(layer.local_num_experts):
             _load_expert(layer, experts[local], local, shard_id, weight_name)
         return True if return_success else None
     local = layer._to_local_expert(expert_id)

@@ -274,9 +274,11 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
 
     # ---- expert-parallel load balancer hooks (vLLM seed 001) ----
     def get_expert_weights(self):
-        """Per-expert views [local_num_experts, -1] of every expert parameter."""
+        """Per-expert views [local_num_experts, -1] of every expert parameter (not the
+        routing bias, which is per logical expert, nor shared-expert parameters)."""
         return [p.view(self.local_num_experts, -1) for name, p in self.named_parameters()
-                if p.dim() > 0 and not name.startswith(("_shared_experts.", "_gate."))]
+                if p.dim() > 0 and name != "e_score_correction_bias"
+                and not name.startswith(("_shared_experts.", "_gate."))]
 
     def set_eplb_state(self, moe_layer_idx, expert_load_view, logical_to_physical_map,
                        logical_replica_count):

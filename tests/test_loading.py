@@ -636,3 +636,15 @@ def test_params_dtype_defaults_to_torch_default(dtype):
     finally:
         torch.set_default_dtype(previous)
     assert all(p.dtype == dtype for p in layer.parameters())
+
+
+def test_get_expert_weights_skips_the_routing_bias():
+    """vLLM models pass e_score_correction_bias as a Parameter of their gate; held by the
+    layer it is a per-logical-expert tensor, not an expert weight (seed 001)."""
+    bias = torch.nn.Parameter(torch.zeros(16), requires_grad=False)
+    layer = FusedMoE(16, 4, 64, 32, use_grouped_topk=True, num_expert_group=4, topk_group=2,
+                     scoring_func="sigmoid", e_score_correction_bias=bias, ep_size=2, ep_rank=1)
+    views = layer.get_expert_weights()
+    assert [tuple(v.shape) for v in views] == [(8, 2 * 32 * 64), (8, 64 * 32)]
+    assert all(v.data_ptr() == p.data_ptr() for v, p in zip(views, (layer.w13_weight,
+                                                                     layer.w2_weight)))
