@@ -272,6 +272,24 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
         """Idempotent: hands the loaded weights to the quant method."""
         self.quant_method.process_weights_after_loading(self)
 
+    # ---- reductions vLLM model code asks the layer about (seed 001) ----
+    def must_reduce_shared_expert_outputs(self):
+        """False: no all-to-all combine kernels here, so shared-expert outputs are reduced
+        once, together with the routed output, at the end of the MoE block."""
+        return False
+
+    def maybe_all_reduce_tensor_model_parallel(self, final_hidden_states):
+        """Sums the ranks' outputs over torch.distributed when the layer is sharded
+        (tp_size or ep_size > 1); returns the tensor unchanged otherwise."""
+        if self.tp_size == 1 and self.ep_size == 1:
+            return final_hidden_states
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("maybe_all_reduce_tensor_model_parallel: a sharded layer needs "
+                               "torch.distributed initialized to sum the ranks' outputs")
+        dist.all_reduce(final_hidden_states)
+        return final_hidden_states
+
     # ---- expert-parallel load balancer hooks (vLLM seed 001) ----
     def get_expert_weights(self):
         """Per-expert views [local_num_experts, -1] of every expert parameter (not the

@@ -648,3 +648,13 @@ def test_get_expert_weights_skips_the_routing_bias():
     assert [tuple(v.shape) for v in views] == [(8, 2 * 32 * 64), (8, 64 * 32)]
     assert all(v.data_ptr() == p.data_ptr() for v, p in zip(views, (layer.w13_weight,
                                                                      layer.w2_weight)))
+
+
+def test_reduction_hooks_used_by_vllm_models(gen):
+    layer = FusedMoE(4, 2, 32, 16)
+    out = torch.randn(3, 32, generator=gen)
+    assert layer.must_reduce_shared_expert_outputs() is False
+    assert layer.maybe_all_reduce_tensor_model_parallel(out) is out
+    sharded = FusedMoE(4, 2, 32, 16, tp_size=2, tp_rank=1)
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        sharded.maybe_all_reduce_tensor_model_parallel(out)
