@@ -11,30 +11,6 @@
 
 #include <string.h>
 
-static const char *const dtype_names[] = {
-    [MX_F32] = "float32", [MX_F16] = "float16",   [MX_BF16] = "bfloat16",
-    [MX_F64] = "float64", [MX_I32] = "int32",     [MX_I64] = "int64",
-    [MX_U8] = "uint8",    [MX_I8] = "int8",       [MX_F8E4M3] = "float8_e4m3fn",
-    [MX_BOOL] = "bool",
-};
-
-const char *mx_dtype_name(mx_dtype dtype)
-{
-    if ((unsigned)dtype < sizeof dtype_names / sizeof dtype_names[0])
-        return dtype_names[dtype];
-    return "unknown";
-}
-
-static size_t dtype_size(mx_dtype dtype)
-{
-    switch (dtype) {
-    case MX_F64: case MX_I64: return 8;
-    case MX_F32: case MX_I32: return 4;
-    case MX_F16: case MX_BF16: return 2;
-    default: return 1;
-    }
-}
-
 /* 0 => ok; -1 => unsupported. */
 static int dtype_from_dl(DLDataType dl, mx_dtype *out)
 {
@@ -76,7 +52,7 @@ static DLDataType dtype_to_dl(mx_dtype dtype)
         [MX_U8] = kDLUInt,   [MX_I8] = kDLInt,    [MX_F8E4M3] = kDLFloat8_e4m3fn,
         [MX_BOOL] = kDLBool,
     };
-    DLDataType dl = {codes[dtype], (uint8_t)(8 * dtype_size(dtype)), 1};
+    DLDataType dl = {codes[dtype], (uint8_t)(8 * mx_dtype_size(dtype)), 1};
     return dl;
 }
 

@@ -65,7 +65,6 @@ void mx_leave_device(mx_device_scope *scope);
 PyObject *mx_raise_status(const mx_status *status);
 
 /* ---- argument checks (0 => ok; -1 => exception naming the argument) ---- */
-const char *mx_dtype_name(mx_dtype dtype);
 int mx_check_dtype_in(const mx_tensor *t, const char *name, const mx_dtype *allowed, int n);
 int mx_check_dtype_is(const mx_tensor *t, const char *name, mx_dtype expected);
 /* expected[i] < 0 accepts any extent in dimension i. */

@@ -52,34 +52,6 @@ static inline mx_status mx_error(mx_code code, const char *fmt, ...)
 }
 
 /* Bytes per element; 0 for a value outside the enum. */
-static inline size_t mx_dtype_size(mx_dtype dt)
-{
-    switch (dt) {
-    case MX_F64: case MX_I64: return 8;
-    case MX_F32: case MX_I32: return 4;
-    case MX_F16: case MX_BF16: return 2;
-    case MX_U8: case MX_I8: case MX_F8E4M3: case MX_BOOL: return 1;
-    }
-    return 0;
-}
-
-static inline const char *mx_dtype_name(mx_dtype dt)
-{
-    switch (dt) {
-    case MX_F32: return "float32";
-    case MX_F16: return "float16";
-    case MX_BF16: return "bfloat16";
-    case MX_F64: return "float64";
-    case MX_I32: return "int32";
-    case MX_I64: return "int64";
-    case MX_U8: return "uint8";
-    case MX_I8: return "int8";
-    case MX_F8E4M3: return "float8_e4m3fn";
-    case MX_BOOL: return "bool";
-    }
-    return "unknown dtype";
-}
-
 static inline uint32_t mx_f32_bits(float f)
 {
     uint32_t u;

@@ -60,23 +60,6 @@ inline mx_status mx_check_call(cudaError_t err, const char *what)
     return mx_status_ok();
 }
 
-inline const char *mx_dtype_name(mx_dtype dt)
-{
-    switch (dt) {
-    case MX_F32: return "float32";
-    case MX_F16: return "float16";
-    case MX_BF16: return "bfloat16";
-    case MX_F64: return "float64";
-    case MX_I32: return "int32";
-    case MX_I64: return "int64";
-    case MX_U8: return "uint8";
-    case MX_I8: return "int8";
-    case MX_F8E4M3: return "float8_e4m3fn";
-    case MX_BOOL: return "bool";
-    }
-    return "unknown";
-}
-
 inline int64_t mx_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* ---- elements ------------------------------------------------------------ */

@@ -45,8 +45,6 @@ typedef struct experts_plan {
     size_t total_bytes;
 } experts_plan;
 
-size_t dtype_size(mx_dtype dt) { return dt == MX_F32 ? 4 : 2; }
-
 size_t take(size_t *cursor, size_t bytes)
 {
     const size_t at = *cursor;
@@ -74,7 +72,7 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
         plan->down_splits = mx_select_down_splits(plan->tile_config, plan->tiles_max, p->hidden_size,
                                                   p->intermediate_size, &plan->down_split_len);
     }
-    const size_t es = dtype_size(p->act_dtype);
+    const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
     plan->off_counts = take(&at, sizeof(int32_t) * local);
     plan->off_cursor = take(&at, sizeof(int32_t) * local);

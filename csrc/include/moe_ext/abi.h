@@ -1,7 +1,7 @@
 /* Kernel ABI of moe_ext: plain C structs shared by the Python glue (the C files in csrc/),
  * the CPU engine (csrc/cpu/) and the CUDA engine (csrc/cuda/).
  *
- * No Python.h and no CUDA headers here. Every engine entry point returns an
+ * No Python.h and no CUDA headers here; the only code is two dtype helpers. Every engine entry point returns an
  * mx_status; a non-MX_OK code carries a message that the glue turns into a
  * Python exception (MX_ERR_VALUE -> ValueError, MX_ERR_TYPE -> TypeError,
  * MX_ERR_NOT_IMPLEMENTED -> NotImplementedError, others -> RuntimeError).
@@ -45,6 +45,35 @@ typedef enum mx_dtype {
     MX_F8E4M3 = 8, /* float8_e4m3fn */
     MX_BOOL = 9,
 } mx_dtype;
+
+/* Bytes per element, and the torch name of a dtype (for messages). */
+static inline size_t mx_dtype_size(mx_dtype dtype)
+{
+    switch (dtype) {
+    case MX_F64: case MX_I64: return 8;
+    case MX_F32: case MX_I32: return 4;
+    case MX_F16: case MX_BF16: return 2;
+    case MX_U8: case MX_I8: case MX_F8E4M3: case MX_BOOL: return 1;
+    }
+    return 0;
+}
+
+static inline const char *mx_dtype_name(mx_dtype dtype)
+{
+    switch (dtype) {
+    case MX_F32: return "float32";
+    case MX_F16: return "float16";
+    case MX_BF16: return "bfloat16";
+    case MX_F64: return "float64";
+    case MX_I32: return "int32";
+    case MX_I64: return "int64";
+    case MX_U8: return "uint8";
+    case MX_I8: return "int8";
+    case MX_F8E4M3: return "float8_e4m3fn";
+    case MX_BOOL: return "bool";
+    }
+    return "unknown dtype";
+}
 
 typedef enum mx_device_type {
     MX_CPU = 0,
