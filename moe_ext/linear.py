@@ -4,6 +4,7 @@ Without a quant_config it is a plain full-precision linear layer."""
 import torch
 
 from . import fp8_online
+from .weight_loading import copy_checked
 
 
 class Linear(torch.nn.Module):
@@ -40,10 +41,8 @@ class Linear(torch.nn.Module):
         layer at once)."""
         if self.quant_method is not None and param is not self._parameters.get("bias"):
             return fp8_online.linear_weight_loader(self, param, loaded_weight)
-        if tuple(loaded_weight.shape) != tuple(param.shape):
-            raise ValueError(f"loaded_weight: expected shape {tuple(param.shape)}, got "
-                             f"{tuple(loaded_weight.shape)}")
-        param.data.copy_(loaded_weight)
+        copy_checked(param.data, loaded_weight, "the Linear layer's "
+                     + ("bias" if param is self._parameters.get("bias") else "weight"))
 
     def process_weights_after_loading(self):
         if self.quant_method is not None:
