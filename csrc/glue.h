@@ -15,7 +15,7 @@
 typedef struct mx_module_state {
     PyTypeObject *core_type;        /* MoECore */
     PyTypeObject *fp8_method_types[4]; /* csrc/fp8_methods.c, in its table order */
-    PyObject *tensor_type;          /* torch.Tensor, set by mx_register_torch() */
+    PyObject *tensor_type;          /* torch.Tensor, set by register_torch (module.c) */
     const DLPackExchangeAPI *api;   /* the tensor type's exchange table, or NULL */
     PyObject *fallback_empty;       /* (shape, dtype_name, device_str) -> tensor */
     PyObject *fallback_stream;      /* (device_index) -> int cudaStream_t */
