@@ -16,6 +16,8 @@
  *                               act_amax) + rows_quant_tensor_kernel;
  *                               BLOCK: group_quant_kernel (x_scale [M, H/128])
  *   4. GEMM1 (fp8)              act = act(x_q[token] @ w13[e].T * scales + b13),
+ *                               (Hopper wgmma configs: x_q rows gathered into
+ *                               sorted order first, grouped_gemm_fp8_sm90.cu)
  *                               rounded to the act dtype; TENSOR: atomic amax of act
  *   5. act -> act_q             TENSOR: rows_quant_tensor_kernel with the scale
  *                               from act_amax; BLOCK: group_quant_kernel
@@ -37,6 +39,7 @@
  *   sorted_ids       int32 [rows_max]
  *   x_scaled         act [M, H]                   only with apply_router_weight_on_input
  *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16
+ *   x_q_sorted       fp8 [rows_max, H]            SM90 configs: GEMM1's gathered A
  *   x_scale          f32 [M, H/128]               BLOCK
  *   act              act [rows_max, ld_act]       ld_act = I rounded up to 8
  *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
@@ -50,6 +53,7 @@
 #include "experts.cuh"
 #include "fp8.cuh"
 #include "gemm_configs_fp8.cuh"
+#include "grouped_gemm_sm90.cuh"
 
 namespace {
 
@@ -61,7 +65,7 @@ typedef struct fp8_plan {
     int down_splits;
     int64_t down_split_len;
     size_t off_counts, off_cursor, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids,
-        off_x_scaled, off_x_q, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
+        off_x_scaled, off_x_q, off_x_q_sorted, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
     size_t total_bytes;
 } fp8_plan;
 
@@ -105,6 +109,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_sorted_ids = take(&at, sizeof(int32_t) * plan->rows_max);
     plan->off_x_scaled = take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
     plan->off_x_q = take(&at, static_cast<size_t>(M * plan->ld_xq));
+    plan->off_x_q_sorted = take(&at, mx_fp8_tile_is_sm90(tile_config) ? static_cast<size_t>(plan->rows_max * H) : 0);
     plan->off_x_scale = take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
     plan->off_act = take(&at, es * plan->rows_max * plan->ld_act);
     plan->off_act_q = take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
@@ -113,9 +118,18 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->total_bytes = at;
 }
 
+/* aligned: shapes (and, at run time, weight pointers) allow 16-byte loads */
 int select_config(const mx_experts_problem *p, int aligned)
 {
-    return mx_fp8_select_tile_config(p->num_tokens * p->top_k, p->num_local_experts, aligned);
+    const int64_t rows = p->num_tokens * p->top_k;
+    if (aligned && (p->act_dtype == MX_BF16 || p->act_dtype == MX_F16) && mx_cuda_sm90_gemm_available()) {
+        const int sm90 = mx_fp8_select_sm90_config(rows, p->num_local_experts, p->hidden_size, p->intermediate_size,
+                                                   p->quant == MX_QUANT_FP8_BLOCK,
+                                                   p->is_act_and_mul && p->activation != MX_ACT_SWIGLUOAI);
+        if (sm90 >= 0)
+            return sm90;
+    }
+    return mx_fp8_select_tile_config(rows, p->num_local_experts, aligned);
 }
 
 } /* namespace */
@@ -158,6 +172,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     int32_t *sorted_ids = reinterpret_cast<int32_t *>(ws + plan.off_sorted_ids);
     void *x_scaled = ws + plan.off_x_scaled;
     uint8_t *x_q = ws + plan.off_x_q;
+    uint8_t *x_q_sorted = ws + plan.off_x_q_sorted;
     float *x_scale = reinterpret_cast<float *>(ws + plan.off_x_scale);
     void *act = ws + plan.off_act;
     uint8_t *act_q = ws + plan.off_act_q;
@@ -228,7 +243,10 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     const mx_fp8_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_FP8_GEMM_UP
                                  : p->activation == MX_ACT_SWIGLUOAI ? MX_FP8_GEMM_GATE_UP_INTERLEAVED
                                                                      : MX_FP8_GEMM_GATE_UP;
-    st = mx_cuda_grouped_gemm_fp8(&g1, kind1, p->quant, plan.tile_config, aligned1, plan.tiles_max, stream);
+    const bool sm90 = mx_fp8_tile_is_sm90(plan.tile_config);
+    st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g1, kind1, p->quant, plan.tile_config, p->num_local_experts, x_q_sorted,
+                                              plan.tiles_max, stream)
+              : mx_cuda_grouped_gemm_fp8(&g1, kind1, p->quant, plan.tile_config, aligned1, plan.tiles_max, stream);
     if (st.code != MX_OK)
         return st;
 
@@ -266,7 +284,10 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g2.k_splits = plan.down_splits;
     g2.k_split_len = plan.down_split_len;
     g2.out_split_stride = plan.pairs * H;
-    st = mx_cuda_grouped_gemm_fp8(&g2, MX_FP8_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max, stream);
+    st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g2, MX_FP8_GEMM_DOWN, p->quant, plan.tile_config, p->num_local_experts,
+                                              nullptr, plan.tiles_max, stream)
+              : mx_cuda_grouped_gemm_fp8(&g2, MX_FP8_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max,
+                                         stream);
     if (st.code != MX_OK)
         return st;
 

@@ -58,7 +58,7 @@ template <int BN, int STAGES, int CLUSTER_M, int GROUP_M>
 struct mx_sm90_shape {
     static constexpr int kBlockM = kSm90BlockM;
     static constexpr int kBlockN = BN;      /* wgmma n; weight rows per tile, loaded as two boxes of BN/2 */
-    static constexpr int kBlockK = 64;      /* 128 bytes: the 128B swizzle span */
+    static constexpr int kBlockKBytes = 128; /* the 128B swizzle span: 64 16-bit or 128 fp8 elements */
     static constexpr int kStages = STAGES;  /* TMA ring depth */
     static constexpr int kClusterM = CLUSTER_M; /* CTAs per cluster, on consecutive m tiles */
     static constexpr int kGroupM = GROUP_M; /* tile order: m units per group, m fastest */
@@ -67,8 +67,8 @@ struct mx_sm90_shape {
     static constexpr int kThreads = 128 * (kMathWarpgroups + 1);
     static constexpr int kMathRegs = 232;   /* setmaxnreg: BN/2 accumulators + epilogue */
     static constexpr int kProducerRegs = 40;
-    static constexpr uint32_t kABytes = kBlockM * kBlockK * 2;
-    static constexpr uint32_t kWBytes = BN * kBlockK * 2;
+    static constexpr uint32_t kABytes = kBlockM * kBlockKBytes;
+    static constexpr uint32_t kWBytes = BN * kBlockKBytes;
     static constexpr uint32_t kStageBytes = kABytes + kWBytes;
     /* 1024 bytes of slack to align the slots to the swizzle atom, then the
      * slots, then full and empty barriers (8 bytes each) */
@@ -96,6 +96,11 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * slower with a few m tiles per expert (pairs straddle experts, and the
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
+/* FP8 with 128x128 block scales: every k block's products land in a second
+ * accumulator set that is promoted with the block's scales, so the tile
+ * holds 2 x BN/2 accumulators per thread; BN = 128 keeps both under the 232
+ * registers. 6 stages of 32 KB (193 KB, 1 CTA/SM). */
+typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
 enum mx_tile_config {
     MX_TILE_DECODE = 0,

@@ -73,11 +73,24 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_DECODE = 0,
     MX_FP8_TILE_MID = 1,
     MX_FP8_TILE_LARGE = 2,
+    /* Hopper wgmma (grouped_gemm_fp8_sm90.cu, tiles of gemm_configs.cuh):
+     * per-tensor scales on mx_tile_sm90 / mx_tile_sm90_pair, block scales on
+     * mx_tile_sm90_n128 (both SM90 configs); 128-row m tiles */
+    MX_FP8_TILE_SM90 = 3,
+    MX_FP8_TILE_SM90_PAIR = 4,
 };
+
+constexpr int kFp8Sm90BlockM = 128;
+
+static inline int mx_fp8_tile_is_sm90(int config)
+{
+    return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PAIR;
+}
 
 static inline int mx_fp8_tile_block_m(int config)
 {
-    return config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
+    return mx_fp8_tile_is_sm90(config)       ? kFp8Sm90BlockM
+         : config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
          : config == MX_FP8_TILE_MID   ? mx_fp8_tile_mid::kBlockM
                                        : mx_fp8_tile_decode::kBlockM;
 }
@@ -100,6 +113,30 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
     if (rows < 96 * e)
         return MX_FP8_TILE_MID;
     return MX_FP8_TILE_LARGE;
+}
+
+/* Rule for the Hopper path (the caller checked mx_cuda_sm90_gemm_available()
+ * and a bfloat16 / float16 act dtype): the FP8 wgmma kernels run at
+ * Hopper's FP8 rate, which the mma.sync configs cannot reach (they feed f16
+ * HMMAs there). TMA needs 16-byte rows (H, I multiples of 16); with block
+ * scales each 64-row weight box of the gated GEMM1 must lie in one 128-row
+ * scale block (I a multiple of 64). Below kFp8Sm90MinRowsPerExpert rows per
+ * expert the layer streams weights and the 16 / 64-row mma.sync tiles pad
+ * less; from kFp8Sm90PairMinRowsPerExpert the per-tensor path takes CTA
+ * pairs (the 16-bit rule's thresholds, to be tuned on FP8 data). Returns an
+ * SM90 config or -1. */
+constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
+constexpr int64_t kFp8Sm90PairMinRowsPerExpert = 1024;
+
+static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,
+                                            int block_scales, int gated)
+{
+    const int64_t e = local_experts > 0 ? local_experts : 1;
+    if (hidden % 16 != 0 || inter % 16 != 0 || rows < kFp8Sm90MinRowsPerExpert * e)
+        return -1;
+    if (block_scales && gated && inter % 64 != 0)
+        return -1;
+    return !block_scales && rows >= kFp8Sm90PairMinRowsPerExpert * e ? MX_FP8_TILE_SM90_PAIR : MX_FP8_TILE_SM90;
 }
 
 /* Split-K of GEMM2 (decode config only): with few experts the grid has

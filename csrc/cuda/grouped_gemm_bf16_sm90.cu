@@ -21,7 +21,7 @@ extern "C" int mx_cuda_sm90_gemm_available(void)
     int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
              major == 9 && minor == 0 &&
-             cudaFuncGetAttributes(&attr, grouped_gemm_sm90_kernel<__nv_bfloat16, mx_tile_sm90, MX_GEMM_DOWN>) ==
+             cudaFuncGetAttributes(&attr, grouped_gemm_sm90_kernel<__nv_bfloat16, __nv_bfloat16, mx_tile_sm90, MX_GEMM_DOWN, MX_QUANT_NONE>) ==
                  cudaSuccess;
     cudaGetLastError();
     /* The code the device runs must come from the sm_90a pass: PTX JIT-compiled

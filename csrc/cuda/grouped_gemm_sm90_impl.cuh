@@ -1,8 +1,11 @@
 /* Grouped GEMM for Hopper (sm_90a): TMA -> 128B-swizzled shared memory ->
  * wgmma, warp-specialized, persistent. Included by grouped_gemm_bf16_sm90.cu
- * and grouped_gemm_fp16_sm90.cu, which instantiate it for one dtype each.
+ * and grouped_gemm_fp16_sm90.cu (16-bit operands, one dtype each) and
+ * grouped_gemm_fp8_sm90.cu (float8_e4m3 operands, FP8 scales), which
+ * instantiate it.
  *
- * Operands (row-major, K contiguous, 16-bit T = bf16 or fp16):
+ * Operands (row-major, K contiguous; TA = bf16 / fp16, or e4m3 with a 16-bit
+ * act dtype T for outputs and biases):
  *   A  [rows, K] by sorted row s. GEMM2: act [rows_max, ld_act] as written by
  *      GEMM1. GEMM1: the token gather x[pair / top_k] cannot be a tensor map,
  *      so sm90_gather_rows_kernel first copies the rows into a contiguous
@@ -11,9 +14,15 @@
  *      for gptoss, 8% for qwen3moe at M = 16384).
  *   W  [E_local, n_rows, K]: w13 or w2, one 3-D tensor map, so the rows of
  *      one expert past n_rows read as zero.
- *   Both maps: box = 64 K-elements (128 bytes, the swizzle span) x rows,
- *   CU_TENSOR_MAP_SWIZZLE_128B; columns past K are zero-filled by the TMA.
- * Tiling: CTA tile kBlockM (128) x kBlockN (256) x 64; the kBlockN weight
+ *   Both maps: box = 128 bytes of K (the swizzle span: 64 16-bit or 128 fp8
+ *   elements) x rows, CU_TENSOR_MAP_SWIZZLE_128B; columns past K are
+ *   zero-filled by the TMA. Every byte offset below is the same for both
+ *   element sizes; a wgmma k step is 32 bytes (k16 for 16-bit, k32 for fp8).
+ *   FP8 scales: per tensor, sa * sw[expert] multiplies the accumulator in
+ *   the epilogue (GEMM1 then also takes the atomic amax of the stored act
+ *   for GEMM2's activation scale); 128x128 blocks, see the kernel comment.
+ * Tiling: CTA tile kBlockM (128) x kBlockN (256, or 128 with block scales) x
+ * 128 bytes of K; the kBlockN weight
  * rows arrive as two boxes of kBlockN/2 rows. For MX_GEMM_GATE_UP the boxes
  * are kBlockN/2 gate rows and the kBlockN/2 up rows of the same output
  * columns, so act(gate) * up is formed in registers. Interleaved (swigluoai)
@@ -21,7 +30,7 @@
  * gate / up of output column i.
  * Threads: 3 warpgroups. Warpgroups 0 and 1 (math, 232 registers each via
  * setmaxnreg) own rows [0, 64) and [64, 128) of the tile and issue
- * wgmma.m64n{kBlockN}k16 with both operands read from shared memory through
+ * wgmma.m64n{kBlockN} with both operands read from shared memory through
  * descriptors; warpgroup 2 (40 registers) has one thread issuing the TMA
  * loads. Pipeline: kStages slots of (A 16 KB, W kBlockN * 128 bytes), each
  * with a full barrier (1 arrival + the transaction bytes) and an empty
@@ -66,6 +75,7 @@
 #include "common.cuh"
 #include "experts.cuh"
 #include "gemm_configs.cuh"
+#include "fp8.cuh"
 #include "grouped_gemm_sm90.cuh"
 
 /* The kernel bodies exist only in the sm_90a pass (wgmma, setmaxnreg). */
@@ -190,15 +200,17 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* Generated: the accumulator lists of wgmma.m64n128k16 / m64n256k16. */
-#define MX_WGMMA_M64N128K16(TY)                                                                                            \
+/* Generated: the accumulator lists of wgmma.m64n128 / m64n256. KTYPES is
+ * the k and the types ("k16.f32.bf16.bf16"), TAIL the immediates after the
+ * scale-d predicate (the 16-bit forms take transpose flags, FP8 does not). */
+#define MX_WGMMA_M64N128(KTYPES, TAIL)                                                                                            \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                                             \
+                 "wgmma.mma_async.sync.aligned.m64n128" KTYPES " {"                                             \
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
                  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                       \
-                 "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                           \
+                 "%64, %65, p, " TAIL ";\n}\n"                                                                           \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -209,9 +221,9 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
-#define MX_WGMMA_M64N256K16(TY)                                                                                                    \
+#define MX_WGMMA_M64N256(KTYPES, TAIL)                                                                                                    \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n256" KTYPES " {"                                                     \
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
                  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
@@ -220,7 +232,7 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
                  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
                  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
                  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "               \
-                 "%128, %129, p, 1, 1, 0, 0;\n}\n"                                                                                 \
+                 "%128, %129, p, " TAIL ";\n}\n"                                                                                 \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
@@ -239,29 +251,43 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
-template <typename T, int N> struct sm90_wgmma;
+/* One k step of 32 bytes (16 16-bit or 32 fp8 elements) of wgmma m64nN;
+ * TA is the operand type. */
+template <typename TA, int N> struct sm90_wgmma;
 template <> struct sm90_wgmma<__nv_bfloat16, 128> {
     static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
     {
-        MX_WGMMA_M64N128K16("bf16");
+        MX_WGMMA_M64N128("k16.f32.bf16.bf16", "1, 1, 0, 0");
     }
 };
 template <> struct sm90_wgmma<__nv_bfloat16, 256> {
     static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
     {
-        MX_WGMMA_M64N256K16("bf16");
+        MX_WGMMA_M64N256("k16.f32.bf16.bf16", "1, 1, 0, 0");
     }
 };
 template <> struct sm90_wgmma<__half, 128> {
     static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
     {
-        MX_WGMMA_M64N128K16("f16");
+        MX_WGMMA_M64N128("k16.f32.f16.f16", "1, 1, 0, 0");
     }
 };
 template <> struct sm90_wgmma<__half, 256> {
     static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
     {
-        MX_WGMMA_M64N256K16("f16");
+        MX_WGMMA_M64N256("k16.f32.f16.f16", "1, 1, 0, 0");
+    }
+};
+template <> struct sm90_wgmma<__nv_fp8_e4m3, 128> {
+    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N128("k32.f32.e4m3.e4m3", "1, 1");
+    }
+};
+template <> struct sm90_wgmma<__nv_fp8_e4m3, 256> {
+    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N256("k32.f32.e4m3.e4m3", "1, 1");
     }
 };
 
@@ -281,6 +307,16 @@ template <int G> __device__ __forceinline__ void sm90_unit_coords(int unit, int 
 }
 
 /* ---- epilogue ---------------------------------------------------------------------- */
+
+/* FP8 scale operands (numerics.md "FP8"); unused with QUANT == MX_QUANT_NONE. */
+struct sm90_scales {
+    const float *a_scale; /* TENSOR [1]; BLOCK [*, a_ld]: row = token (GEMM1) or sorted row s (DOWN) */
+    int64_t a_ld;         /* BLOCK: ceil(k / 128) */
+    const float *w_scale; /* TENSOR [E_local]; BLOCK [E_local, w_rows, w_ld] (128x128 blocks) */
+    int64_t w_rows;       /* BLOCK: ceil(n_rows / 128) */
+    int64_t w_ld;         /* BLOCK: ceil(k / 128) */
+    uint32_t *amax;       /* GEMM1 with TENSOR: atomic amax of the stored act values (float bits) */
+};
 
 /* Accumulator fragment of one thread (wgmma m64nN, f32): acc[4i + e] is row
  * r_lo + 8 * (e / 2), column 8i + 2q + (e % 2), q = lane % 4. */
@@ -309,10 +345,23 @@ __device__ __forceinline__ sm90_rows sm90_load_rows(int64_t s_lo, const mx_gemm_
     return r;
 }
 
-/* GEMM2: y[pair, col] = (acc + w2_bias[col]) * routing weight, float32. */
+/* amax step over the two values of a stored pair, as rounded to T. */
+template <typename T> __device__ __forceinline__ float sm90_amax2(float m, uint32_t packed);
+template <> __device__ __forceinline__ float sm90_amax2<__nv_bfloat16>(float m, uint32_t packed)
+{
+    return mx_amax_step(mx_amax_step(m, __uint_as_float(packed << 16)), __uint_as_float(packed & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float sm90_amax2<__half>(float m, uint32_t packed)
+{
+    const __half2 h = *reinterpret_cast<const __half2 *>(&packed);
+    return mx_amax_step(mx_amax_step(m, __low2float(h)), __high2float(h));
+}
+
+/* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
+ * (sc: the per-tensor FP8 scales, else 1). */
 template <typename T, typename Shape>
 __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                                int nt, int expert, const mx_gemm_args &g)
+                                                int nt, int expert, const mx_gemm_args &g, float sc)
 {
     constexpr int BN = Shape::kBlockN;
     const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
@@ -326,19 +375,20 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
         const float b0 = bias ? mx_to_float(bias[col]) : 0.0f, b1 = bias ? mx_to_float(bias[col + 1]) : 0.0f;
         if (rows.pair_lo >= 0)
             *reinterpret_cast<float2 *>(y_lo + col) =
-                make_float2((acc[4 * i] + b0) * rows.w_lo, (acc[4 * i + 1] + b1) * rows.w_lo);
+                make_float2((acc[4 * i] * sc + b0) * rows.w_lo, (acc[4 * i + 1] * sc + b1) * rows.w_lo);
         if (rows.pair_hi >= 0)
             *reinterpret_cast<float2 *>(y_hi + col) =
-                make_float2((acc[4 * i + 2] + b0) * rows.w_hi, (acc[4 * i + 3] + b1) * rows.w_hi);
+                make_float2((acc[4 * i + 2] * sc + b0) * rows.w_hi, (acc[4 * i + 3] * sc + b1) * rows.w_hi);
     }
 }
 
-/* GEMM1: act[s, col] = ACT(acc + w13_bias) in act dtype. ACT is a
- * compile-time mx_activation, so each instantiation is one straight run of
- * code with no per-element branch on the activation. */
-template <typename T, typename Shape, int KIND, int ACT>
+/* GEMM1: act[s, col] = ACT(acc * sc + w13_bias) in act dtype; with kAmax
+ * also the running amax of the stored values. ACT is a compile-time
+ * mx_activation, so each instantiation is one straight run of code with no
+ * per-element branch on the activation. */
+template <typename T, typename Shape, int KIND, int ACT, bool kAmax>
 __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                               int nt, int expert, const mx_gemm_args &g)
+                                               int nt, int expert, const mx_gemm_args &g, float sc, float &amax)
 {
     constexpr int BN = Shape::kBlockN;
     const int64_t oc = g.out_cols;
@@ -347,6 +397,11 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     T *act_lo = static_cast<T *>(g.out) + rows.s_lo * g.ldo;
     T *act_hi = act_lo + 8 * g.ldo;
     const bool lo = rows.pair_lo >= 0, hi = rows.pair_hi >= 0;
+    auto store = [&](T *dst, uint32_t packed) {
+        *reinterpret_cast<uint32_t *>(dst) = packed;
+        if (kAmax)
+            amax = sm90_amax2<T>(amax, packed);
+    };
     if (KIND == MX_GEMM_GATE_UP) {
         constexpr int UP = BN / 16; /* the up rows start at fragment group BN / 16 */
 #pragma unroll
@@ -361,13 +416,13 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
             }
             const int u = 4 * (i + UP);
             if (lo)
-                *reinterpret_cast<uint32_t *>(act_lo + col) =
-                    mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] + bg0, acc[u] + bu0, alpha, limit),
-                                mx_act_gated(ACT, acc[4 * i + 1] + bg1, acc[u + 1] + bu1, alpha, limit));
+                store(act_lo + col,
+                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg0, acc[u] * sc + bu0, alpha, limit),
+                                  mx_act_gated(ACT, acc[4 * i + 1] * sc + bg1, acc[u + 1] * sc + bu1, alpha, limit)));
             if (hi)
-                *reinterpret_cast<uint32_t *>(act_hi + col) =
-                    mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] + bg0, acc[u + 2] + bu0, alpha, limit),
-                                mx_act_gated(ACT, acc[4 * i + 3] + bg1, acc[u + 3] + bu1, alpha, limit));
+                store(act_hi + col,
+                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg0, acc[u + 2] * sc + bu0, alpha, limit),
+                                  mx_act_gated(ACT, acc[4 * i + 3] * sc + bg1, acc[u + 3] * sc + bu1, alpha, limit)));
         }
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
         /* the thread's output column o = 4i + q; lanes q and q^1 swap so that
@@ -379,14 +434,13 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
             float bg = 0.0f, bu = 0.0f;
             if (bias && o < oc)
                 bg = mx_to_float(bias[2 * o]), bu = mx_to_float(bias[2 * o + 1]);
-            const float v_lo = mx_act_gated(ACT, acc[4 * i] + bg, acc[4 * i + 1] + bu, alpha, limit);
-            const float v_hi = mx_act_gated(ACT, acc[4 * i + 2] + bg, acc[4 * i + 3] + bu, alpha, limit);
+            const float v_lo = mx_act_gated(ACT, acc[4 * i] * sc + bg, acc[4 * i + 1] * sc + bu, alpha, limit);
+            const float v_hi = mx_act_gated(ACT, acc[4 * i + 2] * sc + bg, acc[4 * i + 3] * sc + bu, alpha, limit);
             const float other = __shfl_xor_sync(0xffffffffu, even ? v_hi : v_lo, 1);
             const int64_t col = even ? o : o - 1;
             if (col >= oc || !(even ? lo : hi))
                 continue;
-            *reinterpret_cast<uint32_t *>((even ? act_lo : act_hi) + col) =
-                even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi);
+            store((even ? act_lo : act_hi) + col, even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi));
         }
     } else {
 #pragma unroll
@@ -396,50 +450,70 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
                 continue;
             const float b0 = bias ? mx_to_float(bias[col]) : 0.0f, b1 = bias ? mx_to_float(bias[col + 1]) : 0.0f;
             if (lo)
-                *reinterpret_cast<uint32_t *>(act_lo + col) =
-                    mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] + b0), mx_act_plain(ACT, acc[4 * i + 1] + b1));
+                store(act_lo + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b0),
+                                                mx_act_plain(ACT, acc[4 * i + 1] * sc + b1)));
             if (hi)
-                *reinterpret_cast<uint32_t *>(act_hi + col) =
-                    mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] + b0), mx_act_plain(ACT, acc[4 * i + 3] + b1));
+                store(act_hi + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b0),
+                                                mx_act_plain(ACT, acc[4 * i + 3] * sc + b1)));
         }
     }
 }
 
 /* The epilogue of one tile, dispatched once per tile on the activation
  * (only the pairs check_problem allows are instantiated: swigluoai with the
- * interleaved kind, silu / gelu gated, relu2 / silu / gelu plain). */
-template <typename T, typename Shape, int KIND>
+ * interleaved kind, silu / gelu gated, relu2 / silu / gelu plain). GEMM1
+ * with per-tensor FP8 scales ends with one atomic amax per warp. */
+template <typename T, typename Shape, int KIND, int QUANT>
 __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                              int nt, int expert, const mx_gemm_args &g)
+                                              int nt, int expert, const mx_gemm_args &g, float sc, uint32_t *amax_bits)
 {
+    constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
+    float amax = 0.0f;
     if (KIND == MX_GEMM_DOWN) {
-        sm90_store_down<T, Shape>(acc, rows, q, nt, expert, g);
+        sm90_store_down<T, Shape>(acc, rows, q, nt, expert, g, sc);
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI>(acc, rows, q, nt, expert, g);
+        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
     } else if (g.activation == MX_ACT_GELU) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_GELU>(acc, rows, q, nt, expert, g);
+        sm90_store_act<T, Shape, KIND, MX_ACT_GELU, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
     } else if (KIND == MX_GEMM_UP && g.activation == MX_ACT_RELU2) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2>(acc, rows, q, nt, expert, g);
+        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
     } else {
-        sm90_store_act<T, Shape, KIND, MX_ACT_SILU>(acc, rows, q, nt, expert, g);
+        sm90_store_act<T, Shape, KIND, MX_ACT_SILU, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
+    }
+    if (kAmax) {
+        amax = mx_warp_max(amax);
+        if (threadIdx.x % 32 == 0 && !(amax <= 0.0f)) /* > 0 or NaN */
+            mx_atomic_amax(amax_bits, amax);
     }
 }
 
 /* ---- kernels ----------------------------------------------------------------------- */
 
-template <typename T, typename Shape, int KIND>
+/* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
+ * mode); T: act / bias type. With 128x128 block scales (kBlockScales) each
+ * k block (128 fp8 columns, one scale block) is accumulated on its own in
+ * `part` and promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
+ * the scales of the thread's two rows and of the tile's two weight boxes
+ * (each box lies in one 128-row scale block: the launcher checks). That
+ * promotion needs the k block's wgmmas retired, so this mode waits for them
+ * every k block; the two math warpgroups still overlap each other. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
-    grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 64 x 128 */
-                             const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 64 x kBlockN/2 x 1 */
+    grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
+                             const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
                              const mx_gemm_args g,                      /* sizes, tile table, epilogue operands */
+                             const sm90_scales sc,                      /* FP8 scales */
                              int n_tiles)                               /* n tiles per m tile */
 {
 #if MX_SM90_DEVICE_PASS
-    constexpr int BM = Shape::kBlockM, BN = Shape::kBlockN, BK = Shape::kBlockK, STAGES = Shape::kStages;
+    constexpr int BM = Shape::kBlockM, BN = Shape::kBlockN, STAGES = Shape::kStages;
+    constexpr int BK = Shape::kBlockKBytes / static_cast<int>(sizeof(TA)); /* k elements per stage */
+    constexpr int KSTEPS = Shape::kBlockKBytes / 32;                       /* wgmmas of 32 bytes of k */
     constexpr int CM = Shape::kClusterM;
     constexpr uint32_t A_BYTES = Shape::kABytes, STAGE_BYTES = Shape::kStageBytes;
-    constexpr uint32_t HALF_W_BYTES = (BN / 2) * BK * 2; /* one weight box */
+    constexpr uint32_t HALF_W_BYTES = (BN / 2) * Shape::kBlockKBytes; /* one weight box */
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
+    constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); kSmemBytes holds the slack */
@@ -517,7 +591,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Shape::kMathRegs));
         const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
         const int r_lo = wg * 64 + warp_in_wg * 16 + lane / 4;
+        /* the slot's wgmmas have retired: hand it back to the producer(s) */
+        auto release = [&](uint32_t slot) {
+            if (lane == 0) {
+                mbar_arrive(empty_bar(slot));
+                if (CM > 1)
+                    mbar_arrive_cluster(empty_bar(slot), rank ^ 1u);
+            }
+        };
         float acc[BN / 2];
+        float part[kBlockScales ? BN / 2 : 1]; /* block scales: the current k block's products */
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
             acc[i] = 0.0f;
@@ -529,44 +612,87 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             const bool real = mt < num_m;
             sm90_rows rows;
             int expert = 0;
+            float tile_scale = 1.0f;
+            /* block scales of the thread's rows and of the tile's weight boxes */
+            const float *sa_lo = nullptr, *sa_hi = nullptr, *sw0 = nullptr, *sw1 = nullptr;
             if (real) {
                 rows = sm90_load_rows<KIND>(static_cast<int64_t>(mt) * BM + r_lo, g);
                 expert = g.tile_expert[mt];
+                if (QUANT == MX_QUANT_FP8_TENSOR)
+                    tile_scale = sc.a_scale[0] * sc.w_scale[expert];
+                if (kBlockScales) {
+                    const bool down = KIND == MX_GEMM_DOWN;
+                    if (rows.pair_lo >= 0)
+                        sa_lo = sc.a_scale + (down ? rows.s_lo : rows.pair_lo / g.top_k) * sc.a_ld;
+                    if (rows.pair_hi >= 0)
+                        sa_hi = sc.a_scale + (down ? rows.s_lo + 8 : rows.pair_hi / g.top_k) * sc.a_ld;
+                    const int64_t c = kGated ? static_cast<int64_t>(nt) * (BN / 2) : static_cast<int64_t>(nt) * BN;
+                    const int64_t b0 = c / 128, b1 = (kGated ? g.out_cols + c : c + BN / 2) / 128;
+                    const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
+                    sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld; /* boxes past n_rows read zeros */
+                    sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
+                }
             }
-            uint32_t prev = 0;
-            for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-                const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
-                mbar_wait(full_bar(s), phase);
-                const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
-                fence_acc(acc);
-                wgmma_fence();
+            if constexpr (kBlockScales) {
+                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
+                    mbar_wait(full_bar(s), phase);
+                    const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
+                    fence_acc(part);
+                    wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk)
-                    sm90_wgmma<T, BN>::run(acc, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32),
-                                           (kb | kk) != 0);
-                wgmma_commit();
-                fence_acc(acc);
-                if (kb > 0) {
-                    /* the previous k-block's wgmmas have retired: its slot is free */
-                    wgmma_wait<1>();
-                    fence_acc(acc);
-                    if (lane == 0) {
-                        mbar_arrive(empty_bar(prev));
-                        if (CM > 1)
-                            mbar_arrive_cluster(empty_bar(prev), rank ^ 1u);
+                    for (int kk = 0; kk < KSTEPS; ++kk)
+                        sm90_wgmma<TA, BN>::run(part, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32), kk != 0);
+                    wgmma_commit();
+                    /* the scale loads overlap the wgmmas */
+                    const float a_lo = sa_lo ? sa_lo[kb] : 0.0f, a_hi = sa_hi ? sa_hi[kb] : 0.0f;
+                    const float w0 = sw0 ? sw0[kb] : 0.0f, w1 = sw1 ? sw1[kb] : 0.0f;
+                    wgmma_wait<0>();
+                    fence_acc(part);
+                    release(s);
+                    const float lo0 = a_lo * w0, lo1 = a_lo * w1, hi0 = a_hi * w0, hi1 = a_hi * w1;
+#pragma unroll
+                    for (int i = 0; i < BN / 8; ++i) {
+                        const bool box1 = i >= BN / 16;
+                        acc[4 * i] = fmaf(part[4 * i], box1 ? lo1 : lo0, acc[4 * i]);
+                        acc[4 * i + 1] = fmaf(part[4 * i + 1], box1 ? lo1 : lo0, acc[4 * i + 1]);
+                        acc[4 * i + 2] = fmaf(part[4 * i + 2], box1 ? hi1 : hi0, acc[4 * i + 2]);
+                        acc[4 * i + 3] = fmaf(part[4 * i + 3], box1 ? hi1 : hi0, acc[4 * i + 3]);
                     }
                 }
-                prev = s;
-            }
-            wgmma_wait<0>();
-            fence_acc(acc);
-            if (lane == 0) {
-                mbar_arrive(empty_bar(prev));
-                if (CM > 1)
-                    mbar_arrive_cluster(empty_bar(prev), rank ^ 1u);
+            } else {
+                uint32_t prev = 0;
+                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
+                    mbar_wait(full_bar(s), phase);
+                    const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
+                    fence_acc(acc);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < KSTEPS; ++kk)
+                        sm90_wgmma<TA, BN>::run(acc, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32),
+                                                (kb | kk) != 0);
+                    wgmma_commit();
+                    fence_acc(acc);
+                    if (kb > 0) {
+                        /* the previous k-block's wgmmas have retired: its slot is free */
+                        wgmma_wait<1>();
+                        fence_acc(acc);
+                        release(prev);
+                    }
+                    prev = s;
+                }
+                wgmma_wait<0>();
+                fence_acc(acc);
+                release(prev);
             }
             if (real)
-                sm90_epilogue<T, Shape, KIND>(acc, rows, lane % 4, nt, expert, g);
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, tile_scale, sc.amax);
+            if (kBlockScales) {
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i)
+                    acc[i] = 0.0f;
+            }
         }
     }
     if (CM > 1)
@@ -627,10 +753,10 @@ inline sm90_encode_fn sm90_encode_tiled()
     return fn;
 }
 
-/* What a tensor map is built from (all 16-bit elements, 128B swizzle). */
+/* What a tensor map is built from (128B swizzle). */
 struct sm90_map_key {
     const void *addr;
-    int dtype_f16;          /* 1: float16, 0: bfloat16 */
+    int dtype;              /* CUtensorMapDataType */
     int rank;               /* 2 or 3 */
     uint64_t dims[3];       /* elements, innermost first */
     uint64_t strides[2];    /* bytes of dims 1, 2 */
@@ -658,7 +784,7 @@ inline int sm90_tensor_map(const sm90_map_key &key, CUtensorMap *out, mx_status 
         return 0;
     }
     const cuuint32_t elem_strides[3] = {1, 1, 1};
-    CUresult r = encode(out, key.dtype_f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    CUresult r = encode(out, static_cast<CUtensorMapDataType>(key.dtype),
                         static_cast<cuuint32_t>(key.rank), const_cast<void *>(key.addr), key.dims, key.strides, key.box,
                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -682,13 +808,19 @@ inline int sm90_tensor_map(const sm90_map_key &key, CUtensorMap *out, mx_status 
 
 template <typename T> struct sm90_dtype;
 template <> struct sm90_dtype<__nv_bfloat16> {
-    static constexpr int kF16 = 0;
+    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     static const char *name() { return "bf16"; }
 };
 template <> struct sm90_dtype<__half> {
-    static constexpr int kF16 = 1;
+    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     static const char *name() { return "fp16"; }
 };
+template <> struct sm90_dtype<__nv_fp8_e4m3> {
+    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_UINT8; /* raw bytes: the wgmma reads them as e4m3 */
+    static const char *name() { return "e4m3"; }
+};
+
+const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
 
 const char *const sm90_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
 
@@ -731,20 +863,21 @@ int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads,
     return n;
 }
 
-/* One GEMM over A [rows, K] (stride lda elements) and g.w; the caller
- * checked the TMA preconditions. */
-template <typename T, typename Shape, int KIND>
-mx_status launch_sm90(const mx_gemm_args &g, const void *a, int64_t lda, int64_t local_experts, int64_t m_tiles,
-                      cudaStream_t stream)
+/* One GEMM over A [rows, K] (stride lda elements of TA) and g.w; the
+ * caller checked the TMA preconditions. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+mx_status launch_sm90(const mx_gemm_args &g, const sm90_scales &sc, const void *a, int64_t lda, int64_t local_experts,
+                      int64_t m_tiles, cudaStream_t stream)
 {
-    auto kernel = grouped_gemm_sm90_kernel<T, Shape, KIND>;
+    auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT>;
+    constexpr int BK = Shape::kBlockKBytes / static_cast<int>(sizeof(TA));
     constexpr int BN = Shape::kBlockN;
     const int64_t n_tiles = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED
                                 ? mx_ceil_div(g.out_cols, BN / 2)
                                 : mx_ceil_div(g.n_rows, BN);
     char name[128];
-    snprintf(name, sizeof name, "grouped_gemm_sm90_kernel<%s, %dx%d, %s>", sm90_dtype<T>::name(), Shape::kBlockM, BN,
-             sm90_kind_names[KIND]);
+    snprintf(name, sizeof name, "grouped_gemm_sm90_kernel<%s, %s, %dx%d, %s%s>", sm90_dtype<TA>::name(),
+             sm90_dtype<T>::name(), Shape::kBlockM, BN, sm90_kind_names[KIND], sm90_quant_names[QUANT]);
     if (m_tiles * n_tiles > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
                               (long long)n_tiles);
@@ -769,26 +902,26 @@ mx_status launch_sm90(const mx_gemm_args &g, const void *a, int64_t lda, int64_t
     sm90_map_key ka;
     memset(&ka, 0, sizeof ka);
     ka.addr = a;
-    ka.dtype_f16 = sm90_dtype<T>::kF16;
+    ka.dtype = sm90_dtype<TA>::kMap;
     ka.rank = 2;
     ka.dims[0] = static_cast<uint64_t>(g.k);
     ka.dims[1] = static_cast<uint64_t>(m_tiles * Shape::kBlockM);
     ka.dims[2] = 1;
-    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(T);
-    ka.box[0] = Shape::kBlockK;
+    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
+    ka.box[0] = BK;
     ka.box[1] = Shape::kBlockM;
     ka.box[2] = 1;
     sm90_map_key kw;
     memset(&kw, 0, sizeof kw);
     kw.addr = g.w;
-    kw.dtype_f16 = sm90_dtype<T>::kF16;
+    kw.dtype = sm90_dtype<TA>::kMap;
     kw.rank = 3;
     kw.dims[0] = static_cast<uint64_t>(g.k);
     kw.dims[1] = static_cast<uint64_t>(g.n_rows);
     kw.dims[2] = static_cast<uint64_t>(local_experts);
-    kw.strides[0] = static_cast<uint64_t>(g.k) * sizeof(T);
-    kw.strides[1] = static_cast<uint64_t>(g.n_rows * g.k) * sizeof(T);
-    kw.box[0] = Shape::kBlockK;
+    kw.strides[0] = static_cast<uint64_t>(g.k) * sizeof(TA);
+    kw.strides[1] = static_cast<uint64_t>(g.n_rows * g.k) * sizeof(TA);
+    kw.box[0] = BK;
     kw.box[1] = BN / 2;
     kw.box[2] = 1;
     CUtensorMap map_a, map_w;
@@ -800,7 +933,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const void *a, int64_t lda, int64_t
     const int64_t clusters = sm90_max_clusters(kernel, device, CM, Shape::kThreads, static_cast<int>(Shape::kSmemBytes));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {
-        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, g,
+        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, g, sc,
                                                                                           static_cast<int>(n_tiles));
         return mx_check_launch(name);
     }
@@ -817,61 +950,68 @@ mx_status launch_sm90(const mx_gemm_args &g, const void *a, int64_t lda, int64_t
     attr.val.clusterDim.z = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    st = mx_check_call(cudaLaunchKernelEx(&cfg, kernel, map_a, map_w, g, static_cast<int>(n_tiles)), name);
+    st = mx_check_call(cudaLaunchKernelEx(&cfg, kernel, map_a, map_w, g, sc, static_cast<int>(n_tiles)), name);
     if (st.code != MX_OK)
         return st;
     return mx_check_launch(name);
 }
 
-template <typename T, typename Shape>
-mx_status launch_sm90_kind(const mx_gemm_args &g, mx_gemm_kind kind, const void *a, int64_t lda,
-                           int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+template <typename TA, typename T, typename Shape, int QUANT>
+mx_status launch_sm90_kind(const mx_gemm_args &g, const sm90_scales &sc, mx_gemm_kind kind, const void *a,
+                           int64_t lda, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     switch (kind) {
     case MX_GEMM_GATE_UP:
-        return launch_sm90<T, Shape, MX_GEMM_GATE_UP>(g, a, lda, local_experts, m_tiles, stream);
+        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(g, sc, a, lda, local_experts, m_tiles, stream);
     case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90<T, Shape, MX_GEMM_GATE_UP_INTERLEAVED>(g, a, lda, local_experts, m_tiles, stream);
-    case MX_GEMM_UP: return launch_sm90<T, Shape, MX_GEMM_UP>(g, a, lda, local_experts, m_tiles, stream);
-    case MX_GEMM_DOWN: return launch_sm90<T, Shape, MX_GEMM_DOWN>(g, a, lda, local_experts, m_tiles, stream);
+        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(g, sc, a, lda, local_experts, m_tiles,
+                                                                             stream);
+    case MX_GEMM_UP:
+        return launch_sm90<TA, T, Shape, MX_GEMM_UP, QUANT>(g, sc, a, lda, local_experts, m_tiles, stream);
+    case MX_GEMM_DOWN:
+        return launch_sm90<TA, T, Shape, MX_GEMM_DOWN, QUANT>(g, sc, a, lda, local_experts, m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
 }
 
-/* GEMM1 kinds gather A into a_gathered first; MX_GEMM_DOWN reads g.a (act)
- * directly. */
-template <typename T, typename Shape>
-mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, mx_gemm_kind kind, int64_t local_experts, void *a_gathered,
-                                  int64_t m_tiles, cudaStream_t stream)
+/* GEMM1 kinds gather A (rows of TA) into a_gathered first; MX_GEMM_DOWN
+ * reads g.a (act) directly. */
+template <typename TA, typename T, typename Shape, int QUANT>
+mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const sm90_scales &sc, mx_gemm_kind kind,
+                                  int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
         return mx_status_ok();
     if (kind == MX_GEMM_DOWN)
-        return launch_sm90_kind<T, Shape>(*g, kind, g->a, g->lda, local_experts, m_tiles, stream);
+        return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, g->a, g->lda, local_experts, m_tiles, stream);
     const int64_t rows = m_tiles * Shape::kBlockM;
     const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
     if (blocks > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "sm90_gather_rows_kernel: %lld rows exceed the grid", (long long)rows);
     sm90_gather_rows_kernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
-        static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(T)) / 16,
-        g->k * static_cast<int64_t>(sizeof(T)) / 16, g->sorted_ids, g->num_tiles, g->top_k,
+        static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(TA)) / 16,
+        g->k * static_cast<int64_t>(sizeof(TA)) / 16, g->sorted_ids, g->num_tiles, g->top_k,
         static_cast<uint4 *>(a_gathered));
     mx_status st = mx_check_launch("sm90_gather_rows_kernel");
     if (st.code != MX_OK)
         return st;
-    return launch_sm90_kind<T, Shape>(*g, kind, a_gathered, g->k, local_experts, m_tiles, stream);
+    return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, a_gathered, g->k, local_experts, m_tiles, stream);
 }
 
-/* Entry used by the per-dtype .cu files. */
+/* Entry of the 16-bit instantiations (grouped_gemm_bf16_sm90.cu / _fp16_sm90.cu). */
 template <typename T>
 mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config, int64_t local_experts,
                             void *a_gathered, int64_t m_tiles, cudaStream_t stream)
 {
+    sm90_scales none;
+    memset(&none, 0, sizeof none);
     switch (tile_config) {
     case MX_TILE_SM90:
-        return grouped_gemm_sm90_shape<T, mx_tile_sm90>(g, kind, local_experts, a_gathered, m_tiles, stream);
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, local_experts, a_gathered,
+                                                                           m_tiles, stream);
     case MX_TILE_SM90_PAIR:
-        return grouped_gemm_sm90_shape<T, mx_tile_sm90_pair>(g, kind, local_experts, a_gathered, m_tiles, stream);
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pair, MX_QUANT_NONE>(g, none, kind, local_experts,
+                                                                                a_gathered, m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: tile config %d is not an sm90 config", tile_config);
 }

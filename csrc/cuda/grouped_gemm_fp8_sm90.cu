@@ -1,0 +1,82 @@
+/* FP8 (float8_e4m3) instantiations of the Hopper grouped GEMM
+ * (grouped_gemm_sm90_impl.cuh describes operands, tiling and pipeline) for
+ * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
+ * tiles (single CTAs or pairs, as the 16-bit path), 128x128 block scales on
+ * 128x128 tiles; act dtype bfloat16 or float16. */
+#include "gemm_configs_fp8.cuh"
+#include "grouped_gemm_sm90_impl.cuh"
+
+namespace {
+
+template <typename T>
+mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
+                             int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
+                             cudaStream_t stream)
+{
+    typedef __nv_fp8_e4m3 E4M3;
+    if (quant == MX_QUANT_FP8_BLOCK)
+        return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_n128, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
+                                                                                       a_gathered, m_tiles, stream);
+    if (tile_config == MX_FP8_TILE_SM90_PAIR)
+        return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_pair, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
+                                                                                        a_gathered, m_tiles, stream);
+    return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
+                                                                               a_gathered, m_tiles, stream);
+}
+
+bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+} /* namespace */
+
+extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx_fp8_gemm_kind kind, mx_quant quant,
+                                                   int tile_config, int64_t local_experts, void *a_gathered,
+                                                   int64_t m_tiles, cudaStream_t stream)
+{
+    if (kind == MX_FP8_GEMM_LINEAR || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
+        (tile_config != MX_FP8_TILE_SM90 && tile_config != MX_FP8_TILE_SM90_PAIR))
+        return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: kind %d, quant %d, tile config %d not compiled",
+                              (int)kind, (int)quant, tile_config);
+    if (f->out_dtype != MX_BF16 && f->out_dtype != MX_F16)
+        return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: act dtype %s not compiled",
+                              mx_dtype_name(f->out_dtype));
+    /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
+     * 128-row scale block with block scales */
+    if (f->k % 16 || f->lda % 16 || !aligned16(f->a) || !aligned16(f->w) || f->k_splits != 1 ||
+        (kind != MX_FP8_GEMM_DOWN && !aligned16(a_gathered)) ||
+        (quant == MX_QUANT_FP8_BLOCK && kind == MX_FP8_GEMM_GATE_UP && f->out_cols % 64))
+        return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
+    mx_gemm_args g;
+    memset(&g, 0, sizeof g);
+    g.a = f->a;
+    g.lda = f->lda;
+    g.w = f->w;
+    g.bias = f->bias;
+    g.n_rows = f->n_rows;
+    g.k = f->k;
+    g.out_cols = f->out_cols;
+    g.sorted_ids = f->sorted_ids;
+    g.tile_expert = f->tile_expert;
+    g.num_tiles = f->num_tiles;
+    g.topk_weights = f->topk_weights;
+    g.top_k = f->top_k;
+    g.activation = f->activation;
+    g.swiglu_alpha = f->swiglu_alpha;
+    g.swiglu_limit = f->swiglu_limit;
+    g.scale_by_weight = f->scale_by_weight;
+    g.out = f->out;
+    g.ldo = f->ldo;
+    g.k_splits = 1;
+    g.k_split_len = f->k;
+    sm90_scales sc;
+    sc.a_scale = f->a_scale;
+    sc.a_ld = f->a_scale_ld;
+    sc.w_scale = f->w_scale;
+    sc.w_rows = mx_ceil_div(f->n_rows, kFp8Block);
+    sc.w_ld = mx_ceil_div(f->k, kFp8Block);
+    sc.amax = f->amax;
+    const mx_gemm_kind k = static_cast<mx_gemm_kind>(kind);
+    if (f->out_dtype == MX_BF16)
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, k, quant, tile_config, local_experts, a_gathered, m_tiles,
+                                                 stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, k, quant, tile_config, local_experts, a_gathered, m_tiles, stream);
+}

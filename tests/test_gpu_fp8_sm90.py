@@ -1,0 +1,99 @@
+"""FP8 layers at prefill sizes: >= 64 rows per local expert and H, I multiples of 16, so that a
+Hopper GPU runs the FP8 wgmma kernels (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config); other
+GPUs run the mma.sync tiles through the same checks. A profiler trace shows which kernels ran.
+H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run."""
+import pytest
+import torch
+
+import moe_ext
+from helpers import capture_forward, randn
+from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
+from test_loading import checkpoint, vllm_load
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
+
+WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
+
+
+def on_hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def kernels_of(fn):
+    """Names of the CUDA kernels fn launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def loaded(gen, style, method, dtype, e, k, h, i, cfg):
+    name, kw, has_bias, gated, _ = cfg
+    model, layer = fp8_model(style, method, "cuda", dtype=dtype, e=e, k=k, h=h, i=i, **kw)
+    ckpt, _ = checkpoint(gen, style, e=e, h=h, i=i, has_bias=has_bias, gated=gated, dtype=dtype)
+    vllm_load(model, ckpt, style)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_prefill_matches_reference(method, cfg, dtype, gen):
+    e, k, h, i = 6, 2, 400, 320  # 700 * 2 / 6 = 233 rows per expert; I % 64 == 0 (block-scale boxes)
+    layer = loaded(gen, "mixtral", method, dtype, e, k, h, i, cfg)
+    m = 700
+    x = randn(gen, m, h, dtype=dtype, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    want, margin = fp8_reference(layer, x, logits, cfg[1]["activation"], cfg[3])
+    compare(out, want, margin, FP8_TOL, f"fp8 {method} {cfg[0]} {dtype} M={m}")
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        assert any(WGMMA_FP8 in n for n in names), f"no FP8 wgmma kernel ran: {names}"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_prefill_cluster_pairs(method, gen):
+    """>= 1024 rows per expert: per-tensor scales take the 2-CTA cluster tiles."""
+    e, k, h, i = 4, 2, 256, 192
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
+    m = 2100
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    want, margin = fp8_reference(layer, x, logits)
+    compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 {method} pairs M={m}")
+
+
+def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
+    """Block scales with I % 64 != 0: a 64-row gate/up box would straddle two scale blocks, so the
+    layer runs the mma.sync tiles (and stays correct)."""
+    e, k, h, i = 6, 2, 400, 208
+    layer = loaded(gen, "mixtral", "block", torch.bfloat16, e, k, h, i, CONFIGS[0])
+    m = 600
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    want, margin = fp8_reference(layer, x, logits)
+    compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 block I={i}")
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        assert not any(WGMMA_FP8 in n for n in names), f"unexpected FP8 wgmma kernel: {names}"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_prefill_graph_replay(method, gen):
+    e, k, h, i = 6, 2, 256, 192
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
+    m = 512
+    static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
+    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
+    for scale in (0.3, 3.0):
+        x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
+        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        want, margin = fp8_reference(layer, x, logits, "swigluoai")
+        compare(static_out, want, margin, FP8_TOL, f"fp8 {method} prefill graph replay")
