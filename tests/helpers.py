@@ -57,3 +57,15 @@ def capture_forward(layer, static_x, static_logits, warmup=3):
     with torch.cuda.graph(graph):
         static_out = layer(static_x, static_logits)
     return graph, static_out
+
+
+def kernels_of(fn):
+    """Names of the CUDA kernels that fn launches (profiler trace)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def on_hopper():
+    return torch.cuda.get_device_capability() == (9, 0)

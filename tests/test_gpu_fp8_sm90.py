@@ -1,30 +1,20 @@
-"""FP8 layers at prefill sizes: >= 64 rows per local expert and H, I multiples of 16, so that a
-Hopper GPU runs the FP8 wgmma kernels (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config); other
-GPUs run the mma.sync tiles through the same checks. A profiler trace shows which kernels ran.
+"""FP8 layers with H, I multiples of 16, so that a Hopper GPU runs the FP8 wgmma kernels
+(gemm_configs_fp8.cuh, mx_fp8_select_sm90_config): the persistent kernel from 64 rows per local
+expert, the decode kernel (16- / 64-token tiles, split-K) below; other GPUs run the mma.sync tiles
+through the same checks. A profiler trace shows which kernels ran.
 H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run."""
 import pytest
 import torch
 
 import moe_ext
-from helpers import capture_forward, randn
+from helpers import capture_forward, kernels_of, on_hopper, randn
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
 
 WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
-
-
-def on_hopper():
-    return torch.cuda.get_device_capability() == (9, 0)
-
-
-def kernels_of(fn):
-    """Names of the CUDA kernels fn launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 
 
 def loaded(gen, style, method, dtype, e, k, h, i, cfg):
@@ -97,3 +87,52 @@ def test_fp8_prefill_graph_replay(method, gen):
         torch.cuda.synchronize()
         want, margin = fp8_reference(layer, x, logits, "swigluoai")
         compare(static_out, want, margin, FP8_TOL, f"fp8 {method} prefill graph replay")
+
+
+@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 48])  # 16-token tiles, 16 with several, 64-token tiles
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_decode_matches_reference(method, cfg, rows_per_expert, gen):
+    e, k, h, i = 6, 2, 400, 320
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, cfg)
+    m = max(1, int(rows_per_expert * e / k))
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    want, margin = fp8_reference(layer, x, logits, cfg[1]["activation"], cfg[3])
+    compare(out, want, margin, FP8_TOL, f"fp8 {method} {cfg[0]} decode M={m}")
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        assert any(DECODE_FP8 in n for n in names), f"no FP8 decode kernel ran: {names}"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_decode_split_k_and_fp16(method, gen):
+    """One token, few experts, long I: GEMM2 runs in split-K slices (fp16 act dtype)."""
+    e, k, h, i = 4, 2, 256, 2048
+    layer = loaded(gen, "mixtral", method, torch.float16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
+    for m in (1, 3):
+        x = randn(gen, m, h, dtype=torch.float16, device="cuda")
+        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        want, margin = fp8_reference(layer, x, logits, "swigluoai")
+        compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 {method} split-K M={m}")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_decode_graph_replay(method, gen):
+    e, k, h, i = 6, 2, 256, 192
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
+    m = 4
+    static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
+    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
+    for scale in (0.3, 3.0):
+        x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
+        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        want, margin = fp8_reference(layer, x, logits)
+        compare(static_out, want, margin, FP8_TOL, f"fp8 {method} decode graph replay")

@@ -1,15 +1,17 @@
-"""CUDA engine at prefill sizes: enough rows per expert (>= 64, gemm_configs.cuh mx_select_sm90)
-that a Hopper GPU takes the sm_90a wgmma path (other GPUs the mma.sync tiles, same checks).
-H and I are multiples of 8 (TMA strides) but not of 64, so the k tails and partial n tiles run."""
+"""CUDA engine with H and I multiples of 8 (TMA strides) but not of 64 (k tails, partial n tiles),
+so that a Hopper GPU takes the sm_90a wgmma kernels (gemm_configs.cuh mx_select_sm90_config):
+the persistent kernel from 64 rows per expert, the decode kernel (operands swapped, 16- / 64-token
+tiles, split-K) below. Other GPUs run the mma.sync tiles through the same checks."""
 import pytest
 import torch
 
-from helpers import capture_forward, randn
+from helpers import capture_forward, kernels_of, on_hopper, randn
 from test_gpu import CONFIGS, check, cuda_case
 
 pytestmark = pytest.mark.gpu
 
 PREFILL = [c for c in CONFIGS if c[0] != "grouped-sigmoid-bias"]
+DECODE_KERNEL = "grouped_gemm_sm90_decode_kernel"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -31,6 +33,53 @@ def test_prefill_graph_replay(gen):
     _, e, k, kw, corr = CONFIGS[0]
     layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=256, i=136)
     m = 512
+    static_x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
+    graph, static_out = capture_forward(layer, static_x, static_logits)
+    for _ in range(2):
+        x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        want, margin = reference(x, logits)
+        check(static_out, want, margin, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows_per_expert", [0.1, 5, 48])  # 16-token tiles (1 token), 16, 64-token tiles
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_decode_matches_reference(cfg, dtype, rows_per_expert, gen):
+    _, e, k, kw, corr = cfg
+    layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=328, i=200)
+    m = max(1, int(rows_per_expert * e / k))
+    x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    want, margin = reference(x, logits)
+    check(out, want, margin, dtype)
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        assert any(DECODE_KERNEL in n for n in names), f"no decode kernel ran: {names}"
+
+
+@pytest.mark.parametrize("m", [1, 2, 7])
+def test_decode_split_k(m, gen):
+    """Few experts and a long I: GEMM2 runs in split-K slices (bias on slice 0 only)."""
+    _, e, k, kw, corr = CONFIGS[1]  # swigluoai + bias
+    layer, _, reference = cuda_case(gen, torch.bfloat16, 4, dict(kw, top_k=2), corr, h=256, i=1536)
+    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, 4, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+
+
+def test_decode_graph_replay(gen):
+    _, e, k, kw, corr = CONFIGS[0]
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=256, i=136)
+    m = 3
     static_x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, e, device="cuda", scale=2.0)
     graph, static_out = capture_forward(layer, static_x, static_logits)

@@ -231,22 +231,30 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     /* 16-byte loads need 16-byte rows and bases (act rows always are). */
     const int aligned1 = H % 8 == 0 && aligned16(x) && aligned16(p->w13);
     const int aligned2 = I % 8 == 0 && aligned16(p->w2);
-    if (mx_tile_is_sm90(tile_config) && aligned1 && aligned2 && aligned16(act) && aligned16(y)) {
-        /* TMA needs 16-byte strides and bases; otherwise the sm90 plans run as MX_TILE_LARGE below */
+    /* TMA needs 16-byte strides and bases; otherwise the sm90 plans run as their mma.sync fallback */
+    const bool tma = aligned1 && aligned2 && aligned16(act) && aligned16(y);
+    const int mma_config = mx_tile_fallback(tile_config);
+    if (mx_tile_is_sm90_decode(tile_config) && tma) {
+        st = mx_cuda_grouped_gemm_sm90_decode(&g1, nullptr, kind1, p->act_dtype, MX_QUANT_NONE, tile_config,
+                                              p->num_local_experts, y, plan.tiles_max, stream);
+        if (st.code == MX_OK)
+            st = mx_cuda_grouped_gemm_sm90_decode(&g2, nullptr, MX_GEMM_DOWN, p->act_dtype, MX_QUANT_NONE, tile_config,
+                                                  p->num_local_experts, nullptr, plan.tiles_max, stream);
+    } else if (mx_tile_is_sm90(tile_config) && tma) {
         const auto gemm = p->act_dtype == MX_BF16 ? mx_cuda_grouped_gemm_bf16_sm90 : mx_cuda_grouped_gemm_fp16_sm90;
         st = gemm(&g1, kind1, tile_config, p->num_local_experts, y, plan.tiles_max, stream);
         if (st.code == MX_OK)
             st = gemm(&g2, MX_GEMM_DOWN, tile_config, p->num_local_experts, nullptr, plan.tiles_max, stream);
     } else switch (p->act_dtype) {
     case MX_BF16:
-        st = mx_cuda_grouped_gemm_bf16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);
+        st = mx_cuda_grouped_gemm_bf16(&g1, kind1, mma_config, aligned1, plan.tiles_max, stream);
         if (st.code == MX_OK)
-            st = mx_cuda_grouped_gemm_bf16(&g2, MX_GEMM_DOWN, tile_config, aligned2, plan.tiles_max, stream);
+            st = mx_cuda_grouped_gemm_bf16(&g2, MX_GEMM_DOWN, mma_config, aligned2, plan.tiles_max, stream);
         break;
     case MX_F16:
-        st = mx_cuda_grouped_gemm_fp16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);
+        st = mx_cuda_grouped_gemm_fp16(&g1, kind1, mma_config, aligned1, plan.tiles_max, stream);
         if (st.code == MX_OK)
-            st = mx_cuda_grouped_gemm_fp16(&g2, MX_GEMM_DOWN, tile_config, aligned2, plan.tiles_max, stream);
+            st = mx_cuda_grouped_gemm_fp16(&g2, MX_GEMM_DOWN, mma_config, aligned2, plan.tiles_max, stream);
         break;
     default:
         st = mx_cuda_grouped_gemm_f32(&g1, kind1, plan.tiles_max, stream);

@@ -102,22 +102,69 @@ typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
  * registers. 6 stages of 32 KB (193 KB, 1 CTA/SM). */
 typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
+/* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per
+ * CTA, 128 weight rows (wgmma m, two boxes of 64) x BT tokens (wgmma n) x
+ * 128 bytes of K per stage. The float32 epilogue tile [128][BT + 1] reuses
+ * the drained ring. */
+template <int BT, int STAGES>
+struct mx_sm90_decode_shape {
+    static constexpr int kBlockT = BT;         /* tokens (sorted rows) per tile: moe_align's block_m */
+    static constexpr int kStages = STAGES;
+    static constexpr int kThreads = 128;
+    static constexpr uint32_t kWBytes = 128 * 128;
+    static constexpr uint32_t kABytes = BT * 128;
+    static constexpr uint32_t kStageBytes = kWBytes + kABytes;
+    static constexpr int kLdd = BT + 1;
+    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 8 * STAGES;
+
+    static_assert(BT == 16 || BT == 32 || BT == 64, "wgmma n of the compiled forms");
+    static_assert(kStageBytes % 1024 == 0, "slots start on 1024-byte swizzle atoms");
+    static_assert(size_t(128) * kLdd * 4 <= size_t(STAGES) * kStageBytes, "the epilogue tile fits the ring");
+};
+/* 16 tokens, 6 stages of 18 KB (110 KB): 2 CTAs per SM keep up to 12 k
+ * blocks (192 KB of weights) in flight per SM. */
+typedef mx_sm90_decode_shape<16, 6> mx_tile_sm90_decode;
+/* 64 tokens, 4 stages of 24 KB (97 KB), 2 CTAs per SM. */
+typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
+
 enum mx_tile_config {
     MX_TILE_DECODE = 0,
     MX_TILE_MID = 1,
     MX_TILE_LARGE = 2,
-    MX_TILE_SM90 = 3,      /* Hopper wgmma path; its mma.sync fallback is MX_TILE_LARGE (same block_m) */
-    MX_TILE_SM90_PAIR = 4, /* the same with 2-CTA clusters and weight multicast; same fallback */
+    MX_TILE_SM90 = 3,        /* Hopper wgmma path; its mma.sync fallback is MX_TILE_LARGE (same block_m) */
+    MX_TILE_SM90_PAIR = 4,   /* the same with 2-CTA clusters and weight multicast; same fallback */
+    MX_TILE_SM90_DECODE = 5, /* Hopper decode kernel, 16-token tiles; fallback MX_TILE_DECODE */
+    MX_TILE_SM90_MID = 6,    /* Hopper decode kernel, 64-token tiles; fallback MX_TILE_MID */
 };
 
-static inline int mx_tile_is_sm90(int config) { return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR; }
+static inline int mx_tile_is_sm90_decode(int config)
+{
+    return config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_MID;
+}
+
+static inline int mx_tile_is_sm90(int config)
+{
+    return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR || mx_tile_is_sm90_decode(config);
+}
+
+/* The mma.sync config with the same block_m, run when an operand does not
+ * allow TMA. */
+static inline int mx_tile_fallback(int config)
+{
+    return config == MX_TILE_SM90_DECODE ? MX_TILE_DECODE
+         : config == MX_TILE_SM90_MID    ? MX_TILE_MID
+         : mx_tile_is_sm90(config)       ? MX_TILE_LARGE
+                                         : config;
+}
 
 /* The SIMT float32 path's tile rows (grouped_gemm_f32.cu). */
 #define MX_F32_BLOCK_M 16
 
 static inline int mx_tile_block_m(int config)
 {
-    return mx_tile_is_sm90(config) ? kSm90BlockM
+    return config == MX_TILE_SM90_DECODE ? mx_tile_sm90_decode::kBlockT
+         : config == MX_TILE_SM90_MID    ? mx_tile_sm90_mid::kBlockT
+         : mx_tile_is_sm90(config)       ? kSm90BlockM
          : config == MX_TILE_LARGE ? mx_tile_large::kBlockM
          : config == MX_TILE_MID   ? mx_tile_mid::kBlockM
                                    : mx_tile_decode::kBlockM;
@@ -142,6 +189,36 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
     return MX_TILE_LARGE;
 }
 
+/* Below kSm90MinRowsPerExpert rows per expert the Hopper path runs the
+ * decode kernel (operands swapped: weight rows are wgmma's m): 16-token
+ * tiles under 32 expected rows per expert, else 64-token tiles. Thresholds
+ * those of the mma.sync rule, to be tuned on H200 data. Shared by the
+ * 16-bit and the FP8 rules. */
+static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_experts)
+{
+    return rows < 32 * local_experts ? MX_TILE_SM90_DECODE : MX_TILE_SM90_MID;
+}
+
+/* Split-K of GEMM2 in the Hopper decode kernel: slices while the
+ * worst-case grid (m tiles x 128-row n tiles) has under two CTAs per SM of
+ * an H100/H200 (264), up to 8, each of at least 4 k blocks of 128 bytes.
+ * elem_bytes: 2 (16-bit) or 1 (fp8). Returns the slice count; *split_len
+ * gets its length in elements (whole k blocks, so every slice is non-empty
+ * and the count is exact). */
+static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, int64_t inter, int elem_bytes,
+                                               int64_t *split_len)
+{
+    const int64_t bk = 128 / elem_bytes;
+    const int64_t k_blocks = (inter + bk - 1) / bk;
+    const int64_t ctas = m_tiles * ((hidden + 127) / 128);
+    int64_t splits = 1;
+    while (splits < 8 && ctas * splits < 264 && k_blocks / (splits + 1) >= 4)
+        ++splits;
+    const int64_t per_split = (k_blocks + splits - 1) / splits;
+    *split_len = per_split * bk;
+    return static_cast<int>((k_blocks + per_split - 1) / per_split);
+}
+
 /* Rule for the Hopper path (taken only where mx_cuda_sm90_gemm_available()):
  * TMA needs 16-byte row strides, so H and I must be multiples of 8. Below
  * kSm90MinRowsPerExpert expected rows per local expert the layer is weight-
@@ -161,8 +238,10 @@ constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
 static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter)
 {
     const int64_t e = local_experts > 0 ? local_experts : 1;
-    if (hidden % 8 != 0 || inter % 8 != 0 || pairs < kSm90MinRowsPerExpert * e)
+    if (hidden % 8 != 0 || inter % 8 != 0)
         return -1;
+    if (pairs < kSm90MinRowsPerExpert * e)
+        return mx_select_sm90_decode_config(pairs, e);
     return pairs >= kSm90PairMinRowsPerExpert * e ? MX_TILE_SM90_PAIR : MX_TILE_SM90;
 }
 
@@ -176,6 +255,8 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
 static inline int mx_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
                                         int64_t *split_len)
 {
+    if (config == MX_TILE_SM90_DECODE)
+        return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 2, split_len);
     const int64_t k_tiles = (inter + 63) / 64;
     int64_t splits = 1;
     if (config == MX_TILE_DECODE) {

@@ -13,6 +13,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gemm_configs.cuh"
+
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS_TENSOR, int MIN_BLOCKS_BLOCK,
           int M_ON_X>
 struct mx_fp8_tile_shape {
@@ -78,18 +80,23 @@ enum mx_fp8_tile_config {
      * mx_tile_sm90_n128 (both SM90 configs); 128-row m tiles */
     MX_FP8_TILE_SM90 = 3,
     MX_FP8_TILE_SM90_PAIR = 4,
+    /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh), the 16-bit
+     * configs of the same number: 16- / 64-token tiles */
+    MX_FP8_TILE_SM90_DECODE = MX_TILE_SM90_DECODE,
+    MX_FP8_TILE_SM90_MID = MX_TILE_SM90_MID,
 };
 
 constexpr int kFp8Sm90BlockM = 128;
 
 static inline int mx_fp8_tile_is_sm90(int config)
 {
-    return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PAIR;
+    return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PAIR || mx_tile_is_sm90_decode(config);
 }
 
 static inline int mx_fp8_tile_block_m(int config)
 {
-    return mx_fp8_tile_is_sm90(config)       ? kFp8Sm90BlockM
+    return mx_tile_is_sm90_decode(config)    ? mx_tile_block_m(config)
+         : mx_fp8_tile_is_sm90(config)       ? kFp8Sm90BlockM
          : config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
          : config == MX_FP8_TILE_MID   ? mx_fp8_tile_mid::kBlockM
                                        : mx_fp8_tile_decode::kBlockM;
@@ -121,10 +128,10 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * HMMAs there). TMA needs 16-byte rows (H, I multiples of 16); with block
  * scales each 64-row weight box of the gated GEMM1 must lie in one 128-row
  * scale block (I a multiple of 64). Below kFp8Sm90MinRowsPerExpert rows per
- * expert the layer streams weights and the 16 / 64-row mma.sync tiles pad
- * less; from kFp8Sm90PairMinRowsPerExpert the per-tensor path takes CTA
- * pairs (the 16-bit rule's thresholds, to be tuned on FP8 data). Returns an
- * SM90 config or -1. */
+ * expert the decode kernel (operands swapped, 16- or 64-token tiles,
+ * mx_select_sm90_decode_config); from kFp8Sm90PairMinRowsPerExpert the
+ * per-tensor path takes CTA pairs (the 16-bit rule's thresholds, to be
+ * tuned on FP8 data). Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
 constexpr int64_t kFp8Sm90PairMinRowsPerExpert = 1024;
 
@@ -132,10 +139,10 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
                                             int block_scales, int gated)
 {
     const int64_t e = local_experts > 0 ? local_experts : 1;
-    if (hidden % 16 != 0 || inter % 16 != 0 || rows < kFp8Sm90MinRowsPerExpert * e)
+    if (hidden % 16 != 0 || inter % 16 != 0 || (block_scales && gated && inter % 64 != 0))
         return -1;
-    if (block_scales && gated && inter % 64 != 0)
-        return -1;
+    if (rows < kFp8Sm90MinRowsPerExpert * e)
+        return mx_select_sm90_decode_config(rows, e);
     return !block_scales && rows >= kFp8Sm90PairMinRowsPerExpert * e ? MX_FP8_TILE_SM90_PAIR : MX_FP8_TILE_SM90;
 }
 
@@ -148,6 +155,8 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
 static inline int mx_fp8_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
                                             int64_t *split_len)
 {
+    if (config == MX_FP8_TILE_SM90_DECODE)
+        return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 1, split_len);
     const int64_t k_tiles = (inter + 127) / 128;
     int64_t splits = 1;
     if (config == MX_FP8_TILE_DECODE) {

@@ -2,14 +2,15 @@
  * (grouped_gemm_sm90_impl.cuh describes operands, tiling and pipeline) for
  * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
  * tiles (single CTAs or pairs, as the 16-bit path), 128x128 block scales on
- * 128x128 tiles; act dtype bfloat16 or float16. */
+ * 128x128 tiles; act dtype bfloat16 or float16. The entry also routes the
+ * decode configs to grouped_gemm_sm90_decode.cu. */
 #include "gemm_configs_fp8.cuh"
 #include "grouped_gemm_sm90_impl.cuh"
 
 namespace {
 
 template <typename T>
-mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
+mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
                              int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
                              cudaStream_t stream)
 {
@@ -33,7 +34,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
                                                    int64_t m_tiles, cudaStream_t stream)
 {
     if (kind == MX_FP8_GEMM_LINEAR || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
-        (tile_config != MX_FP8_TILE_SM90 && tile_config != MX_FP8_TILE_SM90_PAIR))
+        !mx_fp8_tile_is_sm90(tile_config))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: kind %d, quant %d, tile config %d not compiled",
                               (int)kind, (int)quant, tile_config);
     if (f->out_dtype != MX_BF16 && f->out_dtype != MX_F16)
@@ -41,7 +42,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
                               mx_dtype_name(f->out_dtype));
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
-    if (f->k % 16 || f->lda % 16 || !aligned16(f->a) || !aligned16(f->w) || f->k_splits != 1 ||
+    const bool decode = mx_tile_is_sm90_decode(tile_config);
+    if (f->k % 16 || f->lda % 16 || !aligned16(f->a) || !aligned16(f->w) || (f->k_splits != 1 && !decode) ||
         (kind != MX_FP8_GEMM_DOWN && !aligned16(a_gathered)) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_FP8_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
@@ -65,9 +67,10 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.scale_by_weight = f->scale_by_weight;
     g.out = f->out;
     g.ldo = f->ldo;
-    g.k_splits = 1;
-    g.k_split_len = f->k;
-    sm90_scales sc;
+    g.k_splits = f->k_splits;
+    g.k_split_len = f->k_split_len;
+    g.out_split_stride = f->out_split_stride;
+    mx_sm90_scales sc;
     sc.a_scale = f->a_scale;
     sc.a_ld = f->a_scale_ld;
     sc.w_scale = f->w_scale;
@@ -75,6 +78,9 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     sc.w_ld = mx_ceil_div(f->k, kFp8Block);
     sc.amax = f->amax;
     const mx_gemm_kind k = static_cast<mx_gemm_kind>(kind);
+    if (decode)
+        return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, k, f->out_dtype, quant, tile_config, local_experts, a_gathered,
+                                                m_tiles, stream);
     if (f->out_dtype == MX_BF16)
         return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, k, quant, tile_config, local_experts, a_gathered, m_tiles,
                                                  stream);

@@ -7,6 +7,17 @@
 
 #include "experts.cuh"
 
+/* FP8 scale operands of the Hopper kernels (numerics.md "FP8"); all NULL /
+ * 0 for 16-bit operands. */
+typedef struct mx_sm90_scales {
+    const float *a_scale; /* TENSOR [1]; BLOCK [*, a_ld]: row = token (GEMM1) or sorted row s (DOWN) */
+    int64_t a_ld;         /* BLOCK: ceil(k / 128) */
+    const float *w_scale; /* TENSOR [E_local]; BLOCK [E_local, w_rows, w_ld] (128x128 blocks) */
+    int64_t w_rows;       /* BLOCK: ceil(n_rows / 128) */
+    int64_t w_ld;         /* BLOCK: ceil(k / 128) */
+    uint32_t *amax;       /* GEMM1 with TENSOR: atomic amax of the stored act values (float bits) */
+} mx_sm90_scales;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -29,6 +40,21 @@ mx_status mx_cuda_grouped_gemm_bf16_sm90(const mx_gemm_args *g, mx_gemm_kind kin
 mx_status mx_cuda_grouped_gemm_fp16_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config,
                                          int64_t local_experts, void *a_gathered, int64_t m_tiles,
                                          cudaStream_t stream);
+
+/* grouped_gemm_sm90_decode.cu: the decode kernel (few rows per expert,
+ * operands swapped) for tile_config MX_TILE_SM90_DECODE / _MID, tile tables
+ * with that config's block_m. quant MX_QUANT_NONE: 16-bit operands in
+ * act_dtype (bf16 / fp16), sc may be NULL; FP8 quants: e4m3 operands, act
+ * dtype bf16 / fp16 for outputs and biases, sc the scales. Split-K (GEMM2
+ * only) from g->k_splits / k_split_len (whole 128-byte k blocks, exact
+ * count). TMA preconditions as for the kernels above (16-byte rows and
+ * bases; block scales with GATE_UP need out_cols % 64 == 0). GEMM1 kinds
+ * first gather g->a by token into a_gathered (m_tiles * block_m rows of k
+ * elements). */
+mx_status mx_cuda_grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales *sc, mx_gemm_kind kind,
+                                           mx_dtype act_dtype, mx_quant quant, int tile_config,
+                                           int64_t local_experts, void *a_gathered, int64_t m_tiles,
+                                           cudaStream_t stream);
 
 #ifdef __cplusplus
 }

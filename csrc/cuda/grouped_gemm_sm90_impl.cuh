@@ -67,229 +67,11 @@
 #ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
 #define MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
 
-#include <cuda.h> /* CUtensorMap and its enums only; the driver entry is fetched through cudart */
-
-#include <atomic>
-#include <string.h>
-
-#include "common.cuh"
-#include "experts.cuh"
 #include "gemm_configs.cuh"
-#include "fp8.cuh"
 #include "grouped_gemm_sm90.cuh"
-
-/* The kernel bodies exist only in the sm_90a pass (wgmma, setmaxnreg). */
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MX_SM90_DEVICE_PASS 1
-#else
-#define MX_SM90_DEVICE_PASS 0
-#endif
+#include "sm90_common.cuh"
 
 namespace {
-
-/* ---- PTX helpers (sm_90) ----------------------------------------------------- */
-
-__device__ __forceinline__ uint32_t sm90_smem_u32(const void *p)
-{
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-/* One arrival that also announces the bytes the TMA loads will deliver. */
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
-/* Spin until the phase of parity `parity` has completed. */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
-                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
-                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-
-/* The same box into the same shared-memory offset of every CTA in cta_mask
- * (cluster multicast); each destination's barrier at `bar` gets the bytes. */
-__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0,
-                                                      int c1, int c2, uint16_t cta_mask)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%4, %5, %6}], [%2], %3;\n"
-                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "h"(cta_mask), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-
-/* Arrive on the barrier at the same offset in CTA `rank` of the cluster. */
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
-{
-    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
-                 : "memory");
-}
-
-__device__ __forceinline__ uint32_t cluster_cta_rank()
-{
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
-/* All threads of all CTAs of the cluster. */
-__device__ __forceinline__ void cluster_sync()
-{
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap *map)
-{
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-/* wgmma shared-memory descriptor of a K-major operand in the 128B-swizzle
- * layout the TMA writes: rows of 128 bytes, 8-row atoms of 1024 bytes
- * (stride byte offset), leading byte offset unused (1), swizzle mode 1. The
- * atoms are 1024-byte aligned, so the base offset field stays 0; stepping k
- * by 16 elements adds 32 bytes to the start address. */
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr)
-{
-    return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-           (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait()
-{
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-/* Keeps the compiler from moving accumulator reads or writes across the
- * asynchronous wgmma instructions (it cannot see that they are in flight). */
-template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
-{
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* Generated: the accumulator lists of wgmma.m64n128 / m64n256. KTYPES is
- * the k and the types ("k16.f32.bf16.bf16"), TAIL the immediates after the
- * scale-d predicate (the 16-bit forms take transpose flags, FP8 does not). */
-#define MX_WGMMA_M64N128(KTYPES, TAIL)                                                                                            \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
-                 "wgmma.mma_async.sync.aligned.m64n128" KTYPES " {"                                             \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                       \
-                 "%64, %65, p, " TAIL ";\n}\n"                                                                           \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-#define MX_WGMMA_M64N256(KTYPES, TAIL)                                                                                                    \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
-                 "wgmma.mma_async.sync.aligned.m64n256" KTYPES " {"                                                     \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "               \
-                 "%128, %129, p, " TAIL ";\n}\n"                                                                                 \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
-                   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
-                   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
-                   "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
-                   "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
-                   "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
-                   "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-                   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-/* One k step of 32 bytes (16 16-bit or 32 fp8 elements) of wgmma m64nN;
- * TA is the operand type. */
-template <typename TA, int N> struct sm90_wgmma;
-template <> struct sm90_wgmma<__nv_bfloat16, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N128("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_bfloat16, 256> {
-    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N256("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N128("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 256> {
-    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N256("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N128("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 256> {
-    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N256("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
 
 /* ---- tile order ------------------------------------------------------------------ */
 
@@ -307,16 +89,6 @@ template <int G> __device__ __forceinline__ void sm90_unit_coords(int unit, int 
 }
 
 /* ---- epilogue ---------------------------------------------------------------------- */
-
-/* FP8 scale operands (numerics.md "FP8"); unused with QUANT == MX_QUANT_NONE. */
-struct sm90_scales {
-    const float *a_scale; /* TENSOR [1]; BLOCK [*, a_ld]: row = token (GEMM1) or sorted row s (DOWN) */
-    int64_t a_ld;         /* BLOCK: ceil(k / 128) */
-    const float *w_scale; /* TENSOR [E_local]; BLOCK [E_local, w_rows, w_ld] (128x128 blocks) */
-    int64_t w_rows;       /* BLOCK: ceil(n_rows / 128) */
-    int64_t w_ld;         /* BLOCK: ceil(k / 128) */
-    uint32_t *amax;       /* GEMM1 with TENSOR: atomic amax of the stored act values (float bits) */
-};
 
 /* Accumulator fragment of one thread (wgmma m64nN, f32): acc[4i + e] is row
  * r_lo + 8 * (e / 2), column 8i + 2q + (e % 2), q = lane % 4. */
@@ -343,18 +115,6 @@ __device__ __forceinline__ sm90_rows sm90_load_rows(int64_t s_lo, const mx_gemm_
             r.w_hi = g.topk_weights[r.pair_hi];
     }
     return r;
-}
-
-/* amax step over the two values of a stored pair, as rounded to T. */
-template <typename T> __device__ __forceinline__ float sm90_amax2(float m, uint32_t packed);
-template <> __device__ __forceinline__ float sm90_amax2<__nv_bfloat16>(float m, uint32_t packed)
-{
-    return mx_amax_step(mx_amax_step(m, __uint_as_float(packed << 16)), __uint_as_float(packed & 0xffff0000u));
-}
-template <> __device__ __forceinline__ float sm90_amax2<__half>(float m, uint32_t packed)
-{
-    const __half2 h = *reinterpret_cast<const __half2 *>(&packed);
-    return mx_amax_step(mx_amax_step(m, __low2float(h)), __high2float(h));
 }
 
 /* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
@@ -502,7 +262,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
                              const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
                              const mx_gemm_args g,                      /* sizes, tile table, epilogue operands */
-                             const sm90_scales sc,                      /* FP8 scales */
+                             const mx_sm90_scales sc,                      /* FP8 scales */
                              int n_tiles)                               /* n tiles per m tile */
 {
 #if MX_SM90_DEVICE_PASS
@@ -702,127 +462,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #endif
 }
 
-/* GEMM1's A operand: out[s] = x[sorted_ids[s] / top_k] for the rows of the
- * tiles in use; padding rows are left as they are (their products are
- * never stored). One warp per row, 16-byte chunks. */
-constexpr int kGatherThreads = 256;
-
-__global__ void __launch_bounds__(kGatherThreads)
-    sm90_gather_rows_kernel(const uint4 *__restrict__ x, /* [M, x_stride] 16-byte chunks */
-                            int64_t x_stride, int64_t chunks, const int32_t *__restrict__ sorted_ids,
-                            const int32_t *__restrict__ num_tiles, int top_k,
-                            uint4 *__restrict__ out) /* [rows_max, chunks] */
-{
-    const int64_t s = static_cast<int64_t>(blockIdx.x) * (kGatherThreads / 32) + threadIdx.x / 32;
-    if (s >= static_cast<int64_t>(*num_tiles) * kSm90BlockM)
-        return;
-    const int32_t pair = sorted_ids[s];
-    if (pair < 0)
-        return;
-    const uint4 *src = x + static_cast<int64_t>(pair / top_k) * x_stride;
-    uint4 *dst = out + s * chunks;
-#pragma unroll 4
-    for (int64_t c = threadIdx.x % 32; c < chunks; c += 32)
-        dst[c] = src[c];
-}
-
-/* ---- host: tensor maps ----------------------------------------------------------- */
-
-typedef CUresult (*sm90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-/* cuTensorMapEncodeTiled, fetched once through the runtime so that only
- * cudart_static is linked; nullptr when the driver lacks it. */
-inline sm90_encode_fn sm90_encode_tiled()
-{
-    static std::atomic<sm90_encode_fn> cached{nullptr};
-    static std::atomic<int> tried{0};
-    sm90_encode_fn fn = cached.load(std::memory_order_acquire);
-    if (fn || tried.load(std::memory_order_acquire))
-        return fn;
-    void *p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-        p = nullptr;
-    cudaGetLastError();
-    fn = reinterpret_cast<sm90_encode_fn>(p);
-    cached.store(fn, std::memory_order_release);
-    tried.store(1, std::memory_order_release);
-    return fn;
-}
-
-/* What a tensor map is built from (128B swizzle). */
-struct sm90_map_key {
-    const void *addr;
-    int dtype;              /* CUtensorMapDataType */
-    int rank;               /* 2 or 3 */
-    uint64_t dims[3];       /* elements, innermost first */
-    uint64_t strides[2];    /* bytes of dims 1, 2 */
-    uint32_t box[3];
-};
-
-/* Tensor maps are pure host encodings of (address, shape, box): no device
- * call, no synchronization. A small per-thread cache skips re-encoding the
- * maps of unchanged weights and workspace pieces from one forward to the
- * next. 0 => error (message in *st). */
-inline int sm90_tensor_map(const sm90_map_key &key, CUtensorMap *out, mx_status *st)
-{
-    constexpr int kEntries = 32;
-    static thread_local sm90_map_key keys[kEntries];
-    static thread_local CUtensorMap maps[kEntries];
-    static thread_local int used = 0, next = 0;
-    for (int i = 0; i < used; ++i)
-        if (memcmp(&keys[i], &key, sizeof key) == 0) {
-            *out = maps[i];
-            return 1;
-        }
-    sm90_encode_fn encode = sm90_encode_tiled();
-    if (!encode) {
-        *st = mx_status_fail(MX_ERR_CUDA, "grouped_gemm_sm90: cuTensorMapEncodeTiled is not available");
-        return 0;
-    }
-    const cuuint32_t elem_strides[3] = {1, 1, 1};
-    CUresult r = encode(out, static_cast<CUtensorMapDataType>(key.dtype),
-                        static_cast<cuuint32_t>(key.rank), const_cast<void *>(key.addr), key.dims, key.strides, key.box,
-                        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        *st = mx_status_fail(MX_ERR_CUDA,
-                             "grouped_gemm_sm90: cuTensorMapEncodeTiled error %d (rank %d, dims %llu x %llu x %llu, "
-                             "box %u x %u)",
-                             (int)r, key.rank, (unsigned long long)key.dims[0], (unsigned long long)key.dims[1],
-                             (unsigned long long)key.dims[2], key.box[0], key.box[1]);
-        return 0;
-    }
-    keys[next] = key;
-    maps[next] = *out;
-    next = (next + 1) % kEntries;
-    if (used < kEntries)
-        ++used;
-    return 1;
-}
-
 /* ---- host: launch ------------------------------------------------------------------ */
-
-template <typename T> struct sm90_dtype;
-template <> struct sm90_dtype<__nv_bfloat16> {
-    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    static const char *name() { return "bf16"; }
-};
-template <> struct sm90_dtype<__half> {
-    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    static const char *name() { return "fp16"; }
-};
-template <> struct sm90_dtype<__nv_fp8_e4m3> {
-    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_UINT8; /* raw bytes: the wgmma reads them as e4m3 */
-    static const char *name() { return "e4m3"; }
-};
-
-const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
-
-const char *const sm90_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
 
 /* Clusters of cluster_m CTAs of `kernel` that fit on the device at once
  * (one CTA per SM; cached per kernel and device): the persistent grid. Falls
@@ -866,7 +506,7 @@ int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads,
 /* One GEMM over A [rows, K] (stride lda elements of TA) and g.w; the
  * caller checked the TMA preconditions. */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
-mx_status launch_sm90(const mx_gemm_args &g, const sm90_scales &sc, const void *a, int64_t lda, int64_t local_experts,
+mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const void *a, int64_t lda, int64_t local_experts,
                       int64_t m_tiles, cudaStream_t stream)
 {
     auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT>;
@@ -957,7 +597,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const sm90_scales &sc, const void *
 }
 
 template <typename TA, typename T, typename Shape, int QUANT>
-mx_status launch_sm90_kind(const mx_gemm_args &g, const sm90_scales &sc, mx_gemm_kind kind, const void *a,
+mx_status launch_sm90_kind(const mx_gemm_args &g, const mx_sm90_scales &sc, mx_gemm_kind kind, const void *a,
                            int64_t lda, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     switch (kind) {
@@ -977,7 +617,7 @@ mx_status launch_sm90_kind(const mx_gemm_args &g, const sm90_scales &sc, mx_gemm
 /* GEMM1 kinds gather A (rows of TA) into a_gathered first; MX_GEMM_DOWN
  * reads g.a (act) directly. */
 template <typename TA, typename T, typename Shape, int QUANT>
-mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const sm90_scales &sc, mx_gemm_kind kind,
+mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
                                   int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
@@ -990,7 +630,7 @@ mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const sm90_scales &sc, 
         return mx_status_fail(MX_ERR_VALUE, "sm90_gather_rows_kernel: %lld rows exceed the grid", (long long)rows);
     sm90_gather_rows_kernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
         static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(TA)) / 16,
-        g->k * static_cast<int64_t>(sizeof(TA)) / 16, g->sorted_ids, g->num_tiles, g->top_k,
+        g->k * static_cast<int64_t>(sizeof(TA)) / 16, g->sorted_ids, g->num_tiles, Shape::kBlockM, g->top_k,
         static_cast<uint4 *>(a_gathered));
     mx_status st = mx_check_launch("sm90_gather_rows_kernel");
     if (st.code != MX_OK)
@@ -1003,7 +643,7 @@ template <typename T>
 mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config, int64_t local_experts,
                             void *a_gathered, int64_t m_tiles, cudaStream_t stream)
 {
-    sm90_scales none;
+    mx_sm90_scales none;
     memset(&none, 0, sizeof none);
     switch (tile_config) {
     case MX_TILE_SM90:

@@ -1,0 +1,363 @@
+/* Grouped GEMM for Hopper (sm_90a) at few rows per expert, with the operands
+ * swapped: the expert's weight rows are wgmma's m (two boxes of 64 rows, one
+ * m64 wgmma each) and the tile's kBlockT sorted rows (tokens) its n, so a
+ * 16-row tile costs m64n16 wgmmas instead of padding tokens to 64 rows.
+ * Included by grouped_gemm_sm90_decode.cu, which instantiates it for
+ * bfloat16, float16 and float8_e4m3 (per-tensor or 128x128 block scales).
+ *
+ * Operands, K contiguous, read by TMA into 128B-swizzled slots as in
+ * grouped_gemm_sm90_impl.cuh (128 bytes of K per stage; the same byte
+ * offsets for 16-bit and fp8 elements):
+ *   A  [rows, K] by sorted row s: GEMM1 the gathered x rows
+ *      (sm90_gather_rows_kernel), GEMM2 act. Box 128 B x kBlockT rows.
+ *   W  [E_local, n_rows, K], box 128 B x 64 rows x 1. Box 0 / box 1 of a
+ *      tile: gate / up rows of the same 64 output columns (GATE_UP), else
+ *      128 consecutive rows (interleaved gate/up pairs for swigluoai).
+ * CTA = one warpgroup, one (m tile, n tile, k split) unit, not persistent
+ * (2 CTAs per SM hide each other's epilogues). Thread 0 keeps kStages k
+ * blocks of loads in flight: it refills a slot once every warp's wgmmas on
+ * it have retired (wait_group 0, then a CTA barrier), so the weight stream
+ * never stops while the math, a few hundred cycles per 16 KB k block, waits.
+ * FP8 block scales: each k block is one 128-wide scale block, accumulated on
+ * its own and promoted as acc += part * sa[token, kb] * sw[box block, kb].
+ * Epilogue: the accumulators go through shared memory (the drained ring) as
+ * a [128 weight rows][kBlockT tokens] float tile, then the threads walk the
+ * outputs column-fastest: GEMM1 kinds apply scale, bias and activation and
+ * store act in T (per-tensor FP8 also the warp's atomic amax); GEMM2 stores
+ * float32 (acc * scale + bias on split 0) * routing weight into its split-K
+ * slice of y.
+ *
+ * The launcher guarantees: tile tables from moe_align with block_m =
+ * kBlockT; TMA preconditions (16-byte row strides and bases); block scales
+ * with GATE_UP only when out_cols % 64 == 0 (a 64-row box in one scale
+ * block); g.k_splits slices of g.k_split_len (a multiple of 128 bytes of K),
+ * each non-empty, splits only for GEMM2. */
+#ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_DECODE_CUH
+#define MOE_EXT_CUDA_GROUPED_GEMM_SM90_DECODE_CUH
+
+#include "gemm_configs.cuh"
+#include "grouped_gemm_sm90.cuh"
+#include "sm90_common.cuh"
+
+namespace {
+
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+__global__ void __launch_bounds__(Shape::kThreads)
+    grouped_gemm_sm90_decode_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 B x kBlockT */
+                                    const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 B x 64 x 1 */
+                                    const mx_gemm_args g, const mx_sm90_scales sc,
+                                    int n_tiles,      /* n tiles per m tile */
+                                    int kb_per_split) /* k blocks per split-K slice */
+{
+#if MX_SM90_DEVICE_PASS
+    constexpr int BT = Shape::kBlockT, STAGES = Shape::kStages, LDD = Shape::kLdd;
+    constexpr int BK = 128 / static_cast<int>(sizeof(TA)); /* k elements per stage */
+    constexpr int NACC = BT / 2;                           /* accumulators of one m64nBT wgmma per thread */
+    constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
+    constexpr bool kGated = KIND == MX_GEMM_GATE_UP;
+    constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
+
+    const int splits = g.k_splits;
+    const int split = blockIdx.x % splits;
+    const int nt = (blockIdx.x / splits) % n_tiles;
+    const int mt = blockIdx.x / (splits * n_tiles);
+    if (mt >= *g.num_tiles)
+        return; /* the grid covers the worst case */
+    const int expert = g.tile_expert[mt];
+    const int k_blocks = static_cast<int>((g.k + BK - 1) / BK);
+    const int kb0 = split * kb_per_split;
+    const int kb1 = kb0 + kb_per_split < k_blocks ? kb0 + kb_per_split : k_blocks;
+    const int64_t a_row = static_cast<int64_t>(mt) * BT;
+    const int c = kGated ? nt * 64 : nt * 128;
+    const int row0 = c, row1 = kGated ? static_cast<int>(g.out_cols) + c : c + 64; /* the two boxes' first rows */
+
+    extern __shared__ __align__(1024) unsigned char sm90_decode_smem[];
+    const uint32_t raw = sm90_smem_u32(sm90_decode_smem);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    const uint32_t bars = base + STAGES * STAGE_BYTES;
+    auto full_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(s); };
+    float *dtile = reinterpret_cast<float *>(sm90_decode_smem + (base - raw)); /* epilogue, over the drained ring */
+    __shared__ int32_t tile_pair[BT];
+    __shared__ float tile_weight[BT];
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, q = lane % 4;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            mbar_init(full_bar(s), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    if (tid < BT) {
+        const int32_t pair = g.sorted_ids[a_row + tid];
+        tile_pair[tid] = pair;
+        tile_weight[tid] = KIND == MX_GEMM_DOWN && g.scale_by_weight && pair >= 0 ? g.topk_weights[pair] : 1.0f;
+    }
+    __syncthreads();
+
+    auto issue = [&](int kb) {
+        const int s = (kb - kb0) % STAGES;
+        const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
+        mbar_arrive_expect_tx(full_bar(s), STAGE_BYTES);
+        tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
+        tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+        tma_load_2d(dst + W_BYTES, &tma_a, full_bar(s), kb * BK, static_cast<int>(a_row));
+    };
+    if (tid == 0) {
+        tma_prefetch_map(&tma_a);
+        tma_prefetch_map(&tma_w);
+        for (int kb = kb0; kb < kb1 && kb < kb0 + STAGES; ++kb)
+            issue(kb);
+    }
+
+    float acc0[NACC], acc1[NACC]; /* weight rows of box 0 / box 1 */
+#pragma unroll
+    for (int i = 0; i < NACC; ++i)
+        acc0[i] = acc1[i] = 0.0f;
+    /* block scales: the thread's tokens are columns 8i + 2q + e (e = 0, 1),
+     * token slot j = 2i + e; their scale rows, and the boxes' scale rows */
+    const float *sa[BT / 4];
+    const float *sw0 = nullptr, *sw1 = nullptr;
+    if (kBlockScales) {
+#pragma unroll
+        for (int j = 0; j < BT / 4; ++j) {
+            const int t = 8 * (j / 2) + 2 * q + (j % 2);
+            const int32_t pair = tile_pair[t];
+            sa[j] = pair < 0 ? nullptr
+                             : sc.a_scale + (KIND == MX_GEMM_DOWN ? a_row + t : static_cast<int64_t>(pair / g.top_k)) * sc.a_ld;
+        }
+        const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
+        const int64_t b0 = row0 / 128, b1 = row1 / 128; /* boxes past n_rows read zeros */
+        sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld;
+        sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
+    }
+
+    for (int kb = kb0; kb < kb1; ++kb) {
+        const int i = kb - kb0, s = i % STAGES;
+        mbar_wait(full_bar(s), static_cast<uint32_t>(i / STAGES) & 1u);
+        const uint32_t w_src = base + static_cast<uint32_t>(s) * STAGE_BYTES, a_src = w_src + W_BYTES;
+        if constexpr (kBlockScales) {
+            float part0[NACC], part1[NACC];
+            fence_acc(part0);
+            fence_acc(part1);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                sm90_wgmma<TA, BT>::run(part0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), kk != 0);
+                sm90_wgmma<TA, BT>::run(part1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32),
+                                        kk != 0);
+            }
+            wgmma_commit();
+            float a_s[BT / 4];
+#pragma unroll
+            for (int j = 0; j < BT / 4; ++j)
+                a_s[j] = sa[j] ? sa[j][kb] : 0.0f;
+            const float w0 = sw0[kb], w1 = sw1[kb];
+            wgmma_wait<0>();
+            fence_acc(part0);
+            fence_acc(part1);
+#pragma unroll
+            for (int e = 0; e < NACC; ++e) {
+                const float a = a_s[2 * (e / 4) + (e % 2)];
+                acc0[e] = fmaf(part0[e], a * w0, acc0[e]);
+                acc1[e] = fmaf(part1[e], a * w1, acc1[e]);
+            }
+        } else {
+            fence_acc(acc0);
+            fence_acc(acc1);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                sm90_wgmma<TA, BT>::run(acc0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), 1);
+                sm90_wgmma<TA, BT>::run(acc1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32), 1);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_acc(acc0);
+            fence_acc(acc1);
+        }
+        __syncthreads(); /* every warp's wgmmas on slot s have retired */
+        if (tid == 0 && kb + STAGES < kb1)
+            issue(kb + STAGES);
+    }
+
+    /* epilogue: every issued load was waited for, so the ring is free */
+    {
+        const int r = warp * 16 + lane / 4;
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) {
+            const int rr = r + 8 * ((e / 2) % 2), t = 8 * (e / 4) + 2 * q + (e % 2);
+            dtile[rr * LDD + t] = acc0[e];
+            dtile[(64 + rr) * LDD + t] = acc1[e];
+        }
+    }
+    __syncthreads();
+    const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[expert] : 1.0f;
+    const T *bias = g.bias && split == 0 ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows
+                                         : nullptr;
+    const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
+    const int64_t oc = g.out_cols;
+    if (KIND == MX_GEMM_DOWN) {
+        float *y = static_cast<float *>(g.out) + split * g.out_split_stride;
+        for (int idx = tid; idx < BT * 128; idx += Shape::kThreads) {
+            const int t = idx / 128, j = idx % 128;
+            const int64_t col = c + j;
+            const int32_t pair = tile_pair[t];
+            if (pair < 0 || col >= oc)
+                continue;
+            const float b = bias ? mx_to_float(bias[col]) : 0.0f;
+            y[static_cast<int64_t>(pair) * g.ldo + col] = (dtile[j * LDD + t] * scale + b) * tile_weight[t];
+        }
+    } else {
+        constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR;
+        constexpr int NCOL = KIND == MX_GEMM_UP ? 128 : 64; /* output columns of the tile */
+        float amax = 0.0f;
+        T *act = static_cast<T *>(g.out);
+        for (int idx = tid; idx < BT * NCOL; idx += Shape::kThreads) {
+            const int t = idx / NCOL, j = idx % NCOL;
+            const int64_t col = static_cast<int64_t>(nt) * NCOL + j;
+            if (tile_pair[t] < 0 || col >= oc)
+                continue;
+            float v;
+            if (KIND == MX_GEMM_GATE_UP) {
+                const float bg = bias ? mx_to_float(bias[col]) : 0.0f, bu = bias ? mx_to_float(bias[oc + col]) : 0.0f;
+                v = mx_act_gated(g.activation, dtile[j * LDD + t] * scale + bg, dtile[(64 + j) * LDD + t] * scale + bu,
+                                 alpha, limit);
+            } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
+                const float bg = bias ? mx_to_float(bias[2 * col]) : 0.0f, bu = bias ? mx_to_float(bias[2 * col + 1]) : 0.0f;
+                v = mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + bg,
+                                 dtile[(2 * j + 1) * LDD + t] * scale + bu, alpha, limit);
+            } else {
+                const float b = bias ? mx_to_float(bias[col]) : 0.0f;
+                v = mx_act_plain(g.activation, dtile[j * LDD + t] * scale + b);
+            }
+            const T stored = mx_from_float<T>(v);
+            act[(a_row + t) * g.ldo + col] = stored;
+            if (kAmax)
+                amax = mx_amax_step(amax, mx_to_float(stored));
+        }
+        if (kAmax) {
+            amax = mx_warp_max(amax);
+            if (lane == 0 && !(amax <= 0.0f)) /* > 0 or NaN */
+                mx_atomic_amax(sc.amax, amax);
+        }
+    }
+#else
+    __trap(); /* launched only where mx_cuda_sm90_gemm_available() saw sm_90a code */
+#endif
+}
+
+/* One GEMM of the decode kernel over A [rows, K] (stride lda elements of
+ * TA); the caller checked the TMA preconditions. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, const void *a, int64_t lda,
+                             int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+{
+    auto kernel = grouped_gemm_sm90_decode_kernel<TA, T, Shape, KIND, QUANT>;
+    constexpr int BK = 128 / static_cast<int>(sizeof(TA));
+    constexpr bool kPaired = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED;
+    const int64_t n_tiles = kPaired ? mx_ceil_div(g.out_cols, 64) : mx_ceil_div(g.n_rows, 128);
+    const int64_t k_blocks = mx_ceil_div(g.k, BK);
+    const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / BK;
+    char name[128];
+    snprintf(name, sizeof name, "grouped_gemm_sm90_decode_kernel<%s, %s, %d, %s%s>", sm90_dtype<TA>::name(),
+             sm90_dtype<T>::name(), Shape::kBlockT, sm90_kind_names[KIND], sm90_quant_names[QUANT]);
+    if (g.k_splits < 1 || kb_per_split < 1 || (g.k_splits > 1 && g.k_split_len % BK) ||
+        mx_ceil_div(k_blocks, kb_per_split) != g.k_splits || (g.k_splits > 1 && KIND != MX_GEMM_DOWN))
+        return mx_status_fail(MX_ERR_VALUE, "%s: %d k splits of %lld do not tile k = %lld", name, g.k_splits,
+                              (long long)g.k_split_len, (long long)g.k);
+    const int64_t grid = m_tiles * n_tiles * g.k_splits;
+    if (grid > 0x7fffffff || m_tiles * Shape::kBlockT > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "%s: %lld CTAs exceed the grid", name, (long long)grid);
+    if (grid == 0)
+        return mx_status_ok();
+
+    int device = 0;
+    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    if (st.code != MX_OK)
+        return st;
+    static std::atomic<unsigned long long> configured{0};
+    const unsigned long long bit = 1ull << (device & 63);
+    if (!(configured.load(std::memory_order_relaxed) & bit)) {
+        st = mx_check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(Shape::kSmemBytes)),
+                           name);
+        if (st.code != MX_OK)
+            return st;
+        configured.fetch_or(bit, std::memory_order_relaxed);
+    }
+
+    sm90_map_key ka;
+    memset(&ka, 0, sizeof ka);
+    ka.addr = a;
+    ka.dtype = sm90_dtype<TA>::kMap;
+    ka.rank = 2;
+    ka.dims[0] = static_cast<uint64_t>(g.k);
+    ka.dims[1] = static_cast<uint64_t>(m_tiles * Shape::kBlockT);
+    ka.dims[2] = 1;
+    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
+    ka.box[0] = BK;
+    ka.box[1] = Shape::kBlockT;
+    ka.box[2] = 1;
+    sm90_map_key kw;
+    memset(&kw, 0, sizeof kw);
+    kw.addr = g.w;
+    kw.dtype = sm90_dtype<TA>::kMap;
+    kw.rank = 3;
+    kw.dims[0] = static_cast<uint64_t>(g.k);
+    kw.dims[1] = static_cast<uint64_t>(g.n_rows);
+    kw.dims[2] = static_cast<uint64_t>(local_experts);
+    kw.strides[0] = static_cast<uint64_t>(g.k) * sizeof(TA);
+    kw.strides[1] = static_cast<uint64_t>(g.n_rows * g.k) * sizeof(TA);
+    kw.box[0] = BK;
+    kw.box[1] = 64;
+    kw.box[2] = 1;
+    CUtensorMap map_a, map_w;
+    if (!sm90_tensor_map(ka, &map_a, &st) || !sm90_tensor_map(kw, &map_w, &st))
+        return st;
+    kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(
+        map_a, map_w, g, sc, static_cast<int>(n_tiles), static_cast<int>(kb_per_split));
+    return mx_check_launch(name);
+}
+
+/* All four kinds; GEMM1 kinds first gather A's rows (by token) into
+ * a_gathered. */
+template <typename TA, typename T, typename Shape, int QUANT>
+mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
+                                   int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
+{
+    if (m_tiles <= 0)
+        return mx_status_ok();
+    const void *a = g->a;
+    int64_t lda = g->lda;
+    if (kind != MX_GEMM_DOWN) {
+        const int64_t rows = m_tiles * Shape::kBlockT;
+        const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
+        if (blocks > 0x7fffffff)
+            return mx_status_fail(MX_ERR_VALUE, "sm90_gather_rows_kernel: %lld rows exceed the grid", (long long)rows);
+        sm90_gather_rows_kernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
+            static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(TA)) / 16,
+            g->k * static_cast<int64_t>(sizeof(TA)) / 16, g->sorted_ids, g->num_tiles, Shape::kBlockT, g->top_k,
+            static_cast<uint4 *>(a_gathered));
+        mx_status st = mx_check_launch("sm90_gather_rows_kernel");
+        if (st.code != MX_OK)
+            return st;
+        a = a_gathered;
+        lda = g->k;
+    }
+    switch (kind) {
+    case MX_GEMM_GATE_UP:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+    case MX_GEMM_GATE_UP_INTERLEAVED:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, a, lda, local_experts,
+                                                                                    m_tiles, stream);
+    case MX_GEMM_UP:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+    case MX_GEMM_DOWN:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+    }
+    return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: unknown kind %d", (int)kind);
+}
+
+} /* namespace */
+
+#endif /* MOE_EXT_CUDA_GROUPED_GEMM_SM90_DECODE_CUH */
