@@ -53,7 +53,7 @@ def test_prefill_graph_replay(gen):
 def test_decode_matches_reference(cfg, dtype, rows_per_expert, gen):
     _, e, k, kw, corr = cfg
     layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=328, i=200)
-    m = max(1, int(rows_per_expert * e / k))
+    m = max(1, int(rows_per_expert * layer.local_num_experts / k))  # the rule counts all pairs per local expert
     x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     out = layer(x, logits)
