@@ -257,7 +257,8 @@ def host_overhead_us(fn, iters=50):
 
 
 def measure_ceilings():
-    """Device-to-device copy bandwidth (4 GiB, bytes read + written) in TB/s, and the bf16 and fp8
+    """Device-to-device copy bandwidth (4 GiB, bytes read + written) and streaming-read bandwidth
+    (a sum over the same 4 GiB) in TB/s, and the bf16 and fp8
     (torch._scaled_mm, per-tensor scales) 8192^3 matmul peaks in TFLOP/s."""
     src = torch.randn(1 << 30, device="cuda")
     dst = torch.empty_like(src)
@@ -268,6 +269,14 @@ def measure_ceilings():
         dst.copy_(src)
     graph.replay()
     read_tbps = 2 * src.nbytes / time_events(graph.replay, 20) / 1e9
+    # streaming read (a sum over the same 4 GiB): the read bandwidth of issue 5's decode roofline
+    total = torch.empty((), device="cuda")
+    torch.sum(src, dim=0, out=total)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.sum(src, dim=0, out=total)
+    graph.replay()
+    stream_read_tbps = src.nbytes / time_events(graph.replay, 20) / 1e9
     del graph
     del src, dst
     n = 8192
@@ -285,7 +294,8 @@ def measure_ceilings():
             a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e9
     except (AttributeError, RuntimeError) as err:
         print(f"fp8 peak not measured: {err}", flush=True)
-    return {"read_tbps": read_tbps, "bf16_tflops": bf16_tflops, "fp8_tflops": fp8_tflops}
+    return {"read_tbps": read_tbps, "stream_read_tbps": stream_read_tbps, "bf16_tflops": bf16_tflops,
+            "fp8_tflops": fp8_tflops}
 
 
 # ---- moe_ext layers ----
@@ -494,7 +504,7 @@ def fmt(value, spec):
 def print_table(meta, points):
     c = meta["ceilings"]
     print(f"\n{meta['gpu']}  torch {meta['torch']}  commit {meta['commit']}  copy "
-          f"{c['read_tbps']:.2f} TB/s  bf16 {c['bf16_tflops']:.0f} TFLOP/s  fp8 "
+          f"{c['read_tbps']:.2f} TB/s  stream read {c['stream_read_tbps']:.2f} TB/s  bf16 {c['bf16_tflops']:.0f} TFLOP/s  fp8 "
           f"{fmt(c['fp8_tflops'], '.0f')} TFLOP/s")
     print(f"{'model':<11}{'dtype':<11}{'M':>6}{'us':>10}{'TB/s':>7}{'TFLOP/s':>9}"
           f"{'x loop':>8}{'x gmm':>8}{'x prev':>8}{'rel_err':>9}  check")

@@ -21,6 +21,11 @@
  *   FP8 scales: per tensor, sa * sw[expert] multiplies the accumulator in
  *   the epilogue (GEMM1 then also takes the atomic amax of the stored act
  *   for GEMM2's activation scale); 128x128 blocks, see the kernel comment.
+ *   FP8 accumulation: wgmma's own FP8 accumulation keeps too few bits over
+ *   a long K (a decode-kernel test without promotion erred 1.2x the 2e-2
+ *   bound), so each k block (128 fp8 columns) is accumulated on its own and
+ *   added to the float32 accumulator, per weight box (m64n128 wgmmas, so
+ *   that the extra set is BN/4 registers).
  * Tiling: CTA tile kBlockM (128) x kBlockN (256, or 128 with block scales) x
  * 128 bytes of K; the kBlockN weight
  * rows arrive as two boxes of kBlockN/2 rows. For MX_GEMM_GATE_UP the boxes
@@ -420,6 +425,32 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         acc[4 * i + 3] = fmaf(part[4 * i + 3], box1 ? hi1 : hi0, acc[4 * i + 3]);
                     }
                 }
+            } else if constexpr (QUANT == MX_QUANT_FP8_TENSOR) {
+                /* the tensor cores' FP8 accumulation keeps too few bits over a long
+                 * K: every k block (4 k steps) of each weight box goes into part
+                 * and is added to acc in float32 */
+                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
+                    mbar_wait(full_bar(s), phase);
+                    const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float part[BN / 4];
+                        fence_acc(part);
+                        wgmma_fence();
+#pragma unroll
+                        for (int kk = 0; kk < KSTEPS; ++kk)
+                            sm90_wgmma<TA, BN / 2>::run(part, sw128_desc(a_src + kk * 32),
+                                                        sw128_desc(w_src + h * HALF_W_BYTES + kk * 32), kk != 0);
+                        wgmma_commit();
+                        wgmma_wait<0>();
+                        fence_acc(part);
+#pragma unroll
+                        for (int j = 0; j < BN / 4; ++j)
+                            acc[h * (BN / 4) + j] += part[j];
+                    }
+                    release(s);
+                }
             } else {
                 uint32_t prev = 0;
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -448,7 +479,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
             if (real)
                 sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, tile_scale, sc.amax);
-            if (kBlockScales) {
+            if (QUANT != MX_QUANT_NONE) {
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
                     acc[i] = 0.0f;
