@@ -136,3 +136,35 @@ def test_fp8_decode_graph_replay(method, gen):
         torch.cuda.synchronize()
         want, margin = fp8_reference(layer, x, logits)
         compare(static_out, want, margin, FP8_TOL, f"fp8 {method} decode graph replay")
+
+
+@pytest.mark.parametrize("rows", [1, 19, 300])  # 16-row tiles, several of them, 64-row tiles
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_linear_fp8_on_hopper_wgmma(method, bias, rows, gen):
+    """moe_ext.Linear with in_features % 16 == 0: the dense FP8 GEMM runs on the decode kernel's
+    wgmma on Hopper (out_features not a multiple of 128: partial n tiles and scale blocks)."""
+    import moe_ext
+    from moe_ext import Fp8OnlineConfig
+    import reference as ref
+    from test_fp8 import FP8_VS_BF16, dequantized_linear
+    n_in, n_out = 400, 200
+    lin = moe_ext.Linear(n_in, n_out, bias=bias, params_dtype=torch.bfloat16,
+                         quant_config=Fp8OnlineConfig(METHODS[method]), device="cuda")
+    w = randn(gen, n_out, n_in, dtype=torch.bfloat16, scale=n_in ** -0.5)
+    lin.weight.weight_loader(lin.weight, w)
+    b = randn(gen, n_out, dtype=torch.bfloat16, scale=0.5) if bias else None
+    if bias:
+        lin.bias.weight_loader(lin.bias, b)
+    lin.process_weights_after_loading()
+    x = randn(gen, rows, n_in, dtype=torch.bfloat16, device="cuda")
+    out = lin(x)
+    xc = x.cpu()
+    xq = ref.fake_quant_group(xc) if method == "block" else ref.fake_quant_tensor(xc)
+    want = xq @ dequantized_linear(lin).cpu().T + (b.double() if bias else 0)
+    err = ref.rel_err(out.cpu(), want)
+    assert err <= FP8_TOL, f"linear {method} rows={rows}: rel_err {err:.4g}"
+    assert ref.rel_err(out.cpu(), xc.double() @ w.double().T + (b.double() if bias else 0)) <= FP8_VS_BF16
+    if on_hopper():
+        names = kernels_of(lambda: lin(x))
+        assert any(DECODE_FP8 in n for n in names), f"no FP8 wgmma kernel ran: {names}"

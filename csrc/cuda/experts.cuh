@@ -56,6 +56,8 @@ typedef struct mx_gemm_args {
     int k_splits;                 /* GEMM2 split-K: grid z; split z covers k [z * k_split_len, ...) */
     int64_t k_split_len;          /* multiple of 64 (the k tile), >= k when k_splits == 1 */
     int64_t out_split_stride;     /* elements between the y slices of consecutive splits */
+    int64_t rows;                 /* dense (LINEAR, sorted_ids NULL) launches of the Hopper decode kernel:
+                                     rows of a and out; 0 otherwise */
 } mx_gemm_args;
 
 #ifdef __cplusplus

@@ -181,9 +181,11 @@ mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_fp8_gemm_kind k
                                    int tile_config, int aligned_w, int64_t m_tiles, cudaStream_t stream);
 
 /* grouped_gemm_fp8_sm90.cu: the expert kinds on Hopper's FP8 wgmma (call
- * only where mx_cuda_sm90_gemm_available()); tile_config MX_FP8_TILE_SM90
- * or _PAIR, tile tables with block_m 128, no split-K, act dtype bfloat16 /
- * float16. TMA preconditions: k and lda multiples of 16, a, w and (GEMM1
+ * only where mx_cuda_sm90_gemm_available()); tile_config one of the SM90
+ * configs (gemm_configs_fp8.cuh), tile tables with its block_m, split-K
+ * (GEMM2) only with MX_FP8_TILE_SM90_DECODE, act dtype bfloat16 / float16;
+ * LINEAR (no tile table, g->rows rows, m_tiles = ceil(rows / block_m)) only
+ * with the decode configs. TMA preconditions: k and lda multiples of 16, a, w and (GEMM1
  * kinds) a_gathered 16-byte aligned; block scales with GATE_UP need
  * out_cols % 64 == 0. GEMM1 kinds first gather the rows of g->a by token
  * into a_gathered (m_tiles * 128 rows of k bytes). */

@@ -6,10 +6,13 @@
  * weight_scale f32 TENSOR [1], BLOCK [ceil(out/128), ceil(in/128)].
  * x is quantized dynamically as in the expert pipeline: TENSOR per tensor
  * (rows_amax_kernel + rows_quant_tensor_kernel), BLOCK per row and 128
- * columns (group_quant_kernel). The GEMM is the FP8 grouped GEMM
- * (grouped_gemm_fp8.cuh) of kind LINEAR: one "expert", identity rows (no
- * tile table), epilogue bias + rounding to the act dtype. Tile config by
- * the expert rule with E = 1; no split-K.
+ * columns (group_quant_kernel). The GEMM is of kind LINEAR: one "expert",
+ * identity rows (no tile table), epilogue bias + rounding to the act dtype;
+ * no split-K. On Hopper (sm_90a code, bfloat16 / float16 act dtype, in a
+ * multiple of 16, 16-byte aligned weight) it runs on FP8 wgmma in the
+ * decode kernel (grouped_gemm_sm90_decode.cuh; 16-row tiles under 32 rows,
+ * else 64); elsewhere the mma.sync FP8 grouped GEMM (grouped_gemm_fp8.cuh),
+ * tile config by the expert rule with E = 1.
  *
  * Workspace (256-byte aligned pieces): scalar x_scale f32 [1], partials f32
  * [mx_fp8_amax_parts(rows)] (TENSOR), x_q fp8 [rows, ld] (ld = in rounded up
@@ -17,6 +20,7 @@
 #include <string.h>
 
 #include "grouped_gemm_fp8.cuh"
+#include "grouped_gemm_sm90.cuh"
 
 namespace {
 
@@ -131,6 +135,11 @@ extern "C" mx_status mx_cuda_fp8_linear(const mx_fp8_linear_problem *p, void *wo
     g.k_splits = 1;
     g.k_split_len = K;
     const int aligned_w = K % 16 == 0 && reinterpret_cast<uintptr_t>(p->weight) % 16 == 0;
+    if (aligned_w && p->act_dtype != MX_F32 && mx_cuda_sm90_gemm_available()) {
+        const int sm90 = p->rows < 32 ? MX_FP8_TILE_SM90_DECODE : MX_FP8_TILE_SM90_MID;
+        return mx_cuda_grouped_gemm_fp8_sm90(&g, MX_FP8_GEMM_LINEAR, p->quant, sm90, 1, nullptr,
+                                             mx_ceil_div(p->rows, mx_fp8_tile_block_m(sm90)), stream);
+    }
     const int config = mx_fp8_select_tile_config(p->rows, 1, aligned_w);
     const int64_t m_tiles = mx_ceil_div(p->rows, mx_fp8_tile_block_m(config));
     return block ? launch_linear<MX_QUANT_FP8_BLOCK>(g, config, aligned_w, m_tiles, stream)

@@ -3,7 +3,8 @@
  * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
  * tiles (single CTAs or pairs, as the 16-bit path), 128x128 block scales on
  * 128x128 tiles; act dtype bfloat16 or float16. The entry also routes the
- * decode configs to grouped_gemm_sm90_decode.cu. */
+ * decode configs to grouped_gemm_sm90_decode.cu, the only ones that take
+ * the dense LINEAR kind (fp8_linear.cu). */
 #include "gemm_configs_fp8.cuh"
 #include "grouped_gemm_sm90_impl.cuh"
 
@@ -33,7 +34,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
                                                    int tile_config, int64_t local_experts, void *a_gathered,
                                                    int64_t m_tiles, cudaStream_t stream)
 {
-    if (kind == MX_FP8_GEMM_LINEAR || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
+    const bool decode = mx_tile_is_sm90_decode(tile_config);
+    if ((kind == MX_FP8_GEMM_LINEAR && !decode) || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
         !mx_fp8_tile_is_sm90(tile_config))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: kind %d, quant %d, tile config %d not compiled",
                               (int)kind, (int)quant, tile_config);
@@ -42,9 +44,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
                               mx_dtype_name(f->out_dtype));
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
-    const bool decode = mx_tile_is_sm90_decode(tile_config);
     if (f->k % 16 || f->lda % 16 || !aligned16(f->a) || !aligned16(f->w) || (f->k_splits != 1 && !decode) ||
-        (kind != MX_FP8_GEMM_DOWN && !aligned16(a_gathered)) ||
+        (kind != MX_FP8_GEMM_DOWN && kind != MX_FP8_GEMM_LINEAR && !aligned16(a_gathered)) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_FP8_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
     mx_gemm_args g;
@@ -70,6 +71,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.k_splits = f->k_splits;
     g.k_split_len = f->k_split_len;
     g.out_split_stride = f->out_split_stride;
+    g.rows = kind == MX_FP8_GEMM_LINEAR ? f->rows : 0;
     mx_sm90_scales sc;
     sc.a_scale = f->a_scale;
     sc.a_ld = f->a_scale_ld;

@@ -14,7 +14,10 @@
  *      tile: gate / up rows of the same 64 output columns (GATE_UP), else
  *      128 consecutive rows (interleaved gate/up pairs for swigluoai).
  * CTA = one warpgroup, one (m tile, n tile, k split) unit, not persistent
- * (2 CTAs per SM hide each other's epilogues). Thread 0 keeps kStages k
+ * (2 CTAs per SM hide each other's epilogues); m tiles run fastest, so the
+ * tiles of one expert stream the same weight tile together (L2 hits).
+ * Kind MX_FP8_GEMM_LINEAR (dense FP8 layer, fp8_linear.cu): identity rows
+ * (no tile table, g.rows rows, one "expert"), out = acc * scale + bias in T. Thread 0 keeps kStages k
  * blocks of loads in flight: it refills a slot once every warp's wgmmas on
  * it have retired (wait_group 0, then a CTA barrier), so the weight stream
  * never stops while the math, a few hundred cycles per 16 KB k block, waits.
@@ -49,6 +52,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     grouped_gemm_sm90_decode_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 B x kBlockT */
                                     const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 B x 64 x 1 */
                                     const mx_gemm_args g, const mx_sm90_scales sc,
+                                    int m_tiles,      /* m tiles of the grid (the worst case) */
                                     int n_tiles,      /* n tiles per m tile */
                                     int kb_per_split) /* k blocks per split-K slice */
 {
@@ -59,14 +63,15 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
+    constexpr bool kLinear = KIND == MX_FP8_GEMM_LINEAR;
 
     const int splits = g.k_splits;
-    const int split = blockIdx.x % splits;
-    const int nt = (blockIdx.x / splits) % n_tiles;
-    const int mt = blockIdx.x / (splits * n_tiles);
-    if (mt >= *g.num_tiles)
+    const int mt = blockIdx.x % m_tiles;
+    const int split = (blockIdx.x / m_tiles) % splits;
+    const int nt = blockIdx.x / (m_tiles * splits);
+    if (!kLinear && mt >= *g.num_tiles)
         return; /* the grid covers the worst case */
-    const int expert = g.tile_expert[mt];
+    const int expert = kLinear ? 0 : g.tile_expert[mt];
     const int k_blocks = static_cast<int>((g.k + BK - 1) / BK);
     const int kb0 = split * kb_per_split;
     const int kb1 = kb0 + kb_per_split < k_blocks ? kb0 + kb_per_split : k_blocks;
@@ -91,7 +96,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     if (tid < BT) {
-        const int32_t pair = g.sorted_ids[a_row + tid];
+        const int32_t pair = !kLinear ? g.sorted_ids[a_row + tid] : a_row + tid < g.rows ? static_cast<int32_t>(a_row + tid) : -1;
         tile_pair[tid] = pair;
         tile_weight[tid] = KIND == MX_GEMM_DOWN && g.scale_by_weight && pair >= 0 ? g.topk_weights[pair] : 1.0f;
     }
@@ -126,7 +131,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int t = 8 * (j / 2) + 2 * q + (j % 2);
             const int32_t pair = tile_pair[t];
             sa[j] = pair < 0 ? nullptr
-                             : sc.a_scale + (KIND == MX_GEMM_DOWN ? a_row + t : static_cast<int64_t>(pair / g.top_k)) * sc.a_ld;
+                             : sc.a_scale + (KIND == MX_GEMM_DOWN || kLinear ? a_row + t
+                                                                              : static_cast<int64_t>(pair / g.top_k)) * sc.a_ld;
         }
         const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
         const int64_t b0 = row0 / 128, b1 = row1 / 128; /* boxes past n_rows read zeros */
@@ -217,6 +223,16 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const float b = bias ? mx_to_float(bias[col]) : 0.0f;
             y[static_cast<int64_t>(pair) * g.ldo + col] = (dtile[j * LDD + t] * scale + b) * tile_weight[t];
         }
+    } else if (kLinear) {
+        T *out = static_cast<T *>(g.out);
+        for (int idx = tid; idx < BT * 128; idx += Shape::kThreads) {
+            const int t = idx / 128, j = idx % 128;
+            const int64_t col = c + j;
+            if (tile_pair[t] < 0 || col >= oc)
+                continue;
+            const float b = bias ? mx_to_float(bias[col]) : 0.0f;
+            out[(a_row + t) * g.ldo + col] = mx_from_float<T>(dtile[j * LDD + t] * scale + b);
+        }
     } else {
         constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR;
         constexpr int NCOL = KIND == MX_GEMM_UP ? 128 : 64; /* output columns of the tile */
@@ -266,11 +282,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
     constexpr int BK = 128 / static_cast<int>(sizeof(TA));
     constexpr bool kPaired = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED;
     const int64_t n_tiles = kPaired ? mx_ceil_div(g.out_cols, 64) : mx_ceil_div(g.n_rows, 128);
+    if (KIND == MX_FP8_GEMM_LINEAR && (g.sorted_ids || g.rows < 1 || m_tiles != mx_ceil_div(g.rows, Shape::kBlockT)))
+        return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: a dense launch needs rows and no tile table");
     const int64_t k_blocks = mx_ceil_div(g.k, BK);
     const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / BK;
     char name[128];
     snprintf(name, sizeof name, "grouped_gemm_sm90_decode_kernel<%s, %s, %d, %s%s>", sm90_dtype<TA>::name(),
-             sm90_dtype<T>::name(), Shape::kBlockT, sm90_kind_names[KIND], sm90_quant_names[QUANT]);
+             sm90_dtype<T>::name(), Shape::kBlockT, KIND == MX_FP8_GEMM_LINEAR ? "linear" : sm90_kind_names[KIND],
+             sm90_quant_names[QUANT]);
     if (g.k_splits < 1 || kb_per_split < 1 || (g.k_splits > 1 && g.k_split_len % BK) ||
         mx_ceil_div(k_blocks, kb_per_split) != g.k_splits || (g.k_splits > 1 && KIND != MX_GEMM_DOWN))
         return mx_status_fail(MX_ERR_VALUE, "%s: %d k splits of %lld do not tile k = %lld", name, g.k_splits,
@@ -302,7 +321,8 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
     ka.dtype = sm90_dtype<TA>::kMap;
     ka.rank = 2;
     ka.dims[0] = static_cast<uint64_t>(g.k);
-    ka.dims[1] = static_cast<uint64_t>(m_tiles * Shape::kBlockT);
+    /* LINEAR: the rows of a (TMA zero-fills the last tile); else the workspace's worst case */
+    ka.dims[1] = static_cast<uint64_t>(KIND == MX_FP8_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT);
     ka.dims[2] = 1;
     ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
     ka.box[0] = BK;
@@ -325,12 +345,12 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
     if (!sm90_tensor_map(ka, &map_a, &st) || !sm90_tensor_map(kw, &map_w, &st))
         return st;
     kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(
-        map_a, map_w, g, sc, static_cast<int>(n_tiles), static_cast<int>(kb_per_split));
+        map_a, map_w, g, sc, static_cast<int>(m_tiles), static_cast<int>(n_tiles), static_cast<int>(kb_per_split));
     return mx_check_launch(name);
 }
 
-/* All four kinds; GEMM1 kinds first gather A's rows (by token) into
- * a_gathered. */
+/* The four expert kinds and LINEAR; GEMM1 kinds first gather A's rows (by
+ * token) into a_gathered. */
 template <typename TA, typename T, typename Shape, int QUANT>
 mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
                                    int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
@@ -339,7 +359,7 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
         return mx_status_ok();
     const void *a = g->a;
     int64_t lda = g->lda;
-    if (kind != MX_GEMM_DOWN) {
+    if (kind != MX_GEMM_DOWN && kind != static_cast<int>(MX_FP8_GEMM_LINEAR)) {
         const int64_t rows = m_tiles * Shape::kBlockT;
         const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
         if (blocks > 0x7fffffff)
@@ -364,6 +384,12 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
         return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
         return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+    default: break;
+    }
+    if constexpr (QUANT != MX_QUANT_NONE) {
+        if (kind == static_cast<int>(MX_FP8_GEMM_LINEAR))
+            return launch_sm90_decode<TA, T, Shape, MX_FP8_GEMM_LINEAR, QUANT>(*g, sc, a, lda, local_experts,
+                                                                               m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: unknown kind %d", (int)kind);
 }
