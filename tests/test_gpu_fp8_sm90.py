@@ -25,24 +25,6 @@ def loaded(gen, style, method, dtype, e, k, h, i, cfg):
     return layer
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
-@pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_prefill_matches_reference(method, cfg, dtype, gen):
-    e, k, h, i = 6, 2, 400, 320  # 700 * 2 / 6 = 233 rows per expert; I % 64 == 0 (block-scale boxes)
-    layer = loaded(gen, "mixtral", method, dtype, e, k, h, i, cfg)
-    m = 700
-    x = randn(gen, m, h, dtype=dtype, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    want, margin = fp8_reference(layer, x, logits, cfg[1]["activation"], cfg[3])
-    compare(out, want, margin, FP8_TOL, f"fp8 {method} {cfg[0]} {dtype} M={m}")
-    if on_hopper():
-        names = kernels_of(lambda: layer(x, logits))
-        assert any(WGMMA_FP8 in n for n in names), f"no FP8 wgmma kernel ran: {names}"
-
-
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_prefill_cluster_pairs(method, gen):
     """>= 1024 rows per expert: per-tensor scales take the 2-CTA cluster tiles."""
@@ -70,41 +52,25 @@ def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
         assert not any(WGMMA_FP8 in n for n in names), f"unexpected FP8 wgmma kernel: {names}"
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_prefill_graph_replay(method, gen):
-    e, k, h, i = 6, 2, 256, 192
-    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
-    m = 512
-    static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
-    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
-    for scale in (0.3, 3.0):
-        x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
-        logits = randn(gen, m, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
-        want, margin = fp8_reference(layer, x, logits, "swigluoai")
-        compare(static_out, want, margin, FP8_TOL, f"fp8 {method} prefill graph replay")
-
-
-@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 48])  # 16-token tiles, 16 with several, 64-token tiles
+# decode kernel: 16-token tiles (1 token), 16-token tiles, 64-token tiles; persistent kernel: 233
+@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 48, 233])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_decode_matches_reference(method, cfg, rows_per_expert, gen):
-    e, k, h, i = 6, 2, 400, 320
-    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, cfg)
+def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
+    e, k, h, i = 6, 2, 400, 320  # I % 64 == 0: block-scale boxes of GATE_UP
+    layer = loaded(gen, "qwen", method, dtype, e, k, h, i, cfg)
     m = max(1, int(rows_per_expert * e / k))
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    x = randn(gen, m, h, dtype=dtype, device="cuda")
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     out = layer(x, logits)
     assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
     want, margin = fp8_reference(layer, x, logits, cfg[1]["activation"], cfg[3])
-    compare(out, want, margin, FP8_TOL, f"fp8 {method} {cfg[0]} decode M={m}")
+    compare(out, want, margin, FP8_TOL, f"fp8 {method} {cfg[0]} {dtype} M={m}")
     if on_hopper():
+        kernel = DECODE_FP8 if rows_per_expert < 64 else WGMMA_FP8
         names = kernels_of(lambda: layer(x, logits))
-        assert any(DECODE_FP8 in n for n in names), f"no FP8 decode kernel ran: {names}"
+        assert any(kernel in n for n in names), f"no {kernel} ran: {names}"
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -119,11 +85,11 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
         compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 {method} split-K M={m}")
 
 
+@pytest.mark.parametrize("m", [4, 512])  # decode kernel, persistent kernel
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_decode_graph_replay(method, gen):
+def test_fp8_graph_replay(method, m, gen):
     e, k, h, i = 6, 2, 256, 192
-    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
-    m = 4
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
     static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, e, device="cuda", scale=2.0)
     graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
@@ -134,8 +100,8 @@ def test_fp8_decode_graph_replay(method, gen):
         static_logits.copy_(logits)
         graph.replay()
         torch.cuda.synchronize()
-        want, margin = fp8_reference(layer, x, logits)
-        compare(static_out, want, margin, FP8_TOL, f"fp8 {method} decode graph replay")
+        want, margin = fp8_reference(layer, x, logits, "swigluoai")
+        compare(static_out, want, margin, FP8_TOL, f"fp8 {method} graph replay M={m}")
 
 
 @pytest.mark.parametrize("rows", [1, 19, 300])  # 16-row tiles, several of them, 64-row tiles

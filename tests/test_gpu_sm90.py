@@ -12,45 +12,14 @@ pytestmark = pytest.mark.gpu
 
 PREFILL = [c for c in CONFIGS if c[0] != "grouped-sigmoid-bias"]
 DECODE_KERNEL = "grouped_gemm_sm90_decode_kernel"
+PERSISTENT_KERNEL = "grouped_gemm_sm90_kernel"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cfg", PREFILL, ids=[c[0] for c in PREFILL])
-def test_prefill_matches_reference(cfg, dtype, gen):
-    _, e, k, kw, corr = cfg
-    layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=328, i=200)
-    m = 700  # >= 150 rows per local expert
-    x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    again = layer(x, logits)
-    assert torch.equal(out, again), "the forward must be deterministic"
-    want, margin = reference(x, logits)
-    check(out, want, margin, dtype)
-
-
-def test_prefill_graph_replay(gen):
-    _, e, k, kw, corr = CONFIGS[0]
-    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=256, i=136)
-    m = 512
-    static_x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
-    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
-    graph, static_out = capture_forward(layer, static_x, static_logits)
-    for _ in range(2):
-        x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
-        logits = randn(gen, m, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
-        want, margin = reference(x, logits)
-        check(static_out, want, margin, torch.bfloat16)
-
-
-@pytest.mark.parametrize("rows_per_expert", [0.1, 5, 48])  # 16-token tiles (1 token), 16, 64-token tiles
+# decode kernel: 16-token tiles (1 token), 16-token tiles, 64-token tiles; persistent kernel: 150
+@pytest.mark.parametrize("rows_per_expert", [0.1, 5, 48, 150])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_decode_matches_reference(cfg, dtype, rows_per_expert, gen):
+def test_matches_reference(cfg, dtype, rows_per_expert, gen):
     _, e, k, kw, corr = cfg
     layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=328, i=200)
     m = max(1, int(rows_per_expert * layer.local_num_experts / k))  # the rule counts all pairs per local expert
@@ -61,8 +30,9 @@ def test_decode_matches_reference(cfg, dtype, rows_per_expert, gen):
     want, margin = reference(x, logits)
     check(out, want, margin, dtype)
     if on_hopper():
+        kernel = DECODE_KERNEL if rows_per_expert < 64 else PERSISTENT_KERNEL
         names = kernels_of(lambda: layer(x, logits))
-        assert any(DECODE_KERNEL in n for n in names), f"no decode kernel ran: {names}"
+        assert any(kernel in n for n in names), f"no {kernel} ran: {names}"
 
 
 @pytest.mark.parametrize("m", [1, 2, 7])
@@ -76,10 +46,10 @@ def test_decode_split_k(m, gen):
     check(layer(x, logits), want, margin, torch.bfloat16)
 
 
-def test_decode_graph_replay(gen):
+@pytest.mark.parametrize("m", [3, 512])  # decode kernel, persistent kernel
+def test_graph_replay(m, gen):
     _, e, k, kw, corr = CONFIGS[0]
     layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=256, i=136)
-    m = 3
     static_x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, e, device="cuda", scale=2.0)
     graph, static_out = capture_forward(layer, static_x, static_logits)

@@ -309,49 +309,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
     if (grid == 0)
         return mx_status_ok();
 
-    int device = 0;
-    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    static std::atomic<unsigned long long> configured{0};
+    mx_status st = sm90_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
-    static std::atomic<unsigned long long> configured{0};
-    const unsigned long long bit = 1ull << (device & 63);
-    if (!(configured.load(std::memory_order_relaxed) & bit)) {
-        st = mx_check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(Shape::kSmemBytes)),
-                           name);
-        if (st.code != MX_OK)
-            return st;
-        configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-
-    sm90_map_key ka;
-    memset(&ka, 0, sizeof ka);
-    ka.addr = a;
-    ka.dtype = sm90_dtype<TA>::kMap;
-    ka.rank = 2;
-    ka.dims[0] = static_cast<uint64_t>(g.k);
-    /* LINEAR: the rows of a (TMA zero-fills the last tile); else the workspace's worst case */
-    ka.dims[1] = static_cast<uint64_t>(KIND == MX_FP8_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT);
-    ka.dims[2] = 1;
-    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
-    ka.box[0] = BK;
-    ka.box[1] = Shape::kBlockT;
-    ka.box[2] = 1;
-    sm90_map_key kw;
-    memset(&kw, 0, sizeof kw);
-    kw.addr = g.w;
-    kw.dtype = sm90_dtype<TA>::kMap;
-    kw.rank = 3;
-    kw.dims[0] = static_cast<uint64_t>(g.k);
-    kw.dims[1] = static_cast<uint64_t>(g.n_rows);
-    kw.dims[2] = static_cast<uint64_t>(local_experts);
-    kw.strides[0] = static_cast<uint64_t>(g.k) * sizeof(TA);
-    kw.strides[1] = static_cast<uint64_t>(g.n_rows * g.k) * sizeof(TA);
-    kw.box[0] = BK;
-    kw.box[1] = 64;
-    kw.box[2] = 1;
+    /* A rows: LINEAR the rows of a (TMA zero-fills the last tile); else the workspace's worst case */
     CUtensorMap map_a, map_w;
-    if (!sm90_tensor_map(ka, &map_a, &st) || !sm90_tensor_map(kw, &map_w, &st))
+    if (!sm90_operand_maps<TA>(a, lda, KIND == MX_FP8_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
+                               Shape::kBlockT, g.w, g.k, g.n_rows, local_experts, 64, &map_a, &map_w, &st))
         return st;
     kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(
         map_a, map_w, g, sc, static_cast<int>(m_tiles), static_cast<int>(n_tiles), static_cast<int>(kb_per_split));

@@ -541,7 +541,6 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
                       int64_t m_tiles, cudaStream_t stream)
 {
     auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT>;
-    constexpr int BK = Shape::kBlockKBytes / static_cast<int>(sizeof(TA));
     constexpr int BN = Shape::kBlockN;
     const int64_t n_tiles = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED
                                 ? mx_ceil_div(g.out_cols, BN / 2)
@@ -555,48 +554,17 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     if (g.k_splits != 1)
         return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
 
-    int device = 0;
-    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    static std::atomic<unsigned long long> configured{0};
+    mx_status st = sm90_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
-    static std::atomic<unsigned long long> configured{0};
-    const unsigned long long bit = 1ull << (device & 63);
-    if (!(configured.load(std::memory_order_relaxed) & bit)) {
-        st = mx_check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(Shape::kSmemBytes)),
-                           name);
-        if (st.code != MX_OK)
-            return st;
-        configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-
-    sm90_map_key ka;
-    memset(&ka, 0, sizeof ka);
-    ka.addr = a;
-    ka.dtype = sm90_dtype<TA>::kMap;
-    ka.rank = 2;
-    ka.dims[0] = static_cast<uint64_t>(g.k);
-    ka.dims[1] = static_cast<uint64_t>(m_tiles * Shape::kBlockM);
-    ka.dims[2] = 1;
-    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
-    ka.box[0] = BK;
-    ka.box[1] = Shape::kBlockM;
-    ka.box[2] = 1;
-    sm90_map_key kw;
-    memset(&kw, 0, sizeof kw);
-    kw.addr = g.w;
-    kw.dtype = sm90_dtype<TA>::kMap;
-    kw.rank = 3;
-    kw.dims[0] = static_cast<uint64_t>(g.k);
-    kw.dims[1] = static_cast<uint64_t>(g.n_rows);
-    kw.dims[2] = static_cast<uint64_t>(local_experts);
-    kw.strides[0] = static_cast<uint64_t>(g.k) * sizeof(TA);
-    kw.strides[1] = static_cast<uint64_t>(g.n_rows * g.k) * sizeof(TA);
-    kw.box[0] = BK;
-    kw.box[1] = BN / 2;
-    kw.box[2] = 1;
     CUtensorMap map_a, map_w;
-    if (!sm90_tensor_map(ka, &map_a, &st) || !sm90_tensor_map(kw, &map_w, &st))
+    if (!sm90_operand_maps<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.w, g.k, g.n_rows, local_experts,
+                               BN / 2, &map_a, &map_w, &st))
+        return st;
+    int device = 0;
+    st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    if (st.code != MX_OK)
         return st;
 
     constexpr int CM = Shape::kClusterM;

@@ -439,6 +439,64 @@ template <> struct sm90_dtype<__nv_fp8_e4m3> {
     static const char *name() { return "e4m3"; }
 };
 
+/* Tensor maps of a GEMM's operands, 128-byte K boxes: A [a_rows, k] (row
+ * stride lda elements, boxes of a_box_rows rows) and W [experts, n_rows, k]
+ * (boxes of w_box_rows rows of one expert). 0 => error (message in *st). */
+template <typename TA>
+int sm90_operand_maps(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, const void *w, int64_t k,
+                      int64_t n_rows, int64_t experts, int w_box_rows, CUtensorMap *map_a, CUtensorMap *map_w,
+                      mx_status *st)
+{
+    const uint32_t bk = 128 / sizeof(TA);
+    sm90_map_key ka;
+    memset(&ka, 0, sizeof ka);
+    ka.addr = a;
+    ka.dtype = sm90_dtype<TA>::kMap;
+    ka.rank = 2;
+    ka.dims[0] = static_cast<uint64_t>(k);
+    ka.dims[1] = static_cast<uint64_t>(a_rows);
+    ka.dims[2] = 1;
+    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
+    ka.box[0] = bk;
+    ka.box[1] = static_cast<uint32_t>(a_box_rows);
+    ka.box[2] = 1;
+    sm90_map_key kw;
+    memset(&kw, 0, sizeof kw);
+    kw.addr = w;
+    kw.dtype = sm90_dtype<TA>::kMap;
+    kw.rank = 3;
+    kw.dims[0] = static_cast<uint64_t>(k);
+    kw.dims[1] = static_cast<uint64_t>(n_rows);
+    kw.dims[2] = static_cast<uint64_t>(experts);
+    kw.strides[0] = static_cast<uint64_t>(k) * sizeof(TA);
+    kw.strides[1] = static_cast<uint64_t>(n_rows * k) * sizeof(TA);
+    kw.box[0] = bk;
+    kw.box[1] = static_cast<uint32_t>(w_box_rows);
+    kw.box[2] = 1;
+    return sm90_tensor_map(ka, map_a, st) && sm90_tensor_map(kw, map_w, st);
+}
+
+/* Opts `kernel` into smem_bytes of dynamic shared memory once per device;
+ * `configured` is the caller's per-kernel bit set. */
+template <typename Kernel>
+mx_status sm90_opt_in_smem(Kernel kernel, size_t smem_bytes, std::atomic<unsigned long long> &configured,
+                           const char *name)
+{
+    int device = 0;
+    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    if (st.code != MX_OK)
+        return st;
+    const unsigned long long bit = 1ull << (device & 63);
+    if (configured.load(std::memory_order_relaxed) & bit)
+        return mx_status_ok();
+    st = mx_check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes)),
+                       name);
+    if (st.code == MX_OK)
+        configured.fetch_or(bit, std::memory_order_relaxed);
+    return st;
+}
+
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
 
 const char *const sm90_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
