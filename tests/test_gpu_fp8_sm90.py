@@ -2,7 +2,13 @@
 (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config): the persistent kernel from 64 rows per local
 expert, the decode kernel (16- / 64-token tiles, split-K) below; other GPUs run the mma.sync tiles
 through the same checks. A profiler trace shows which kernels ran.
-H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run."""
+H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run.
+
+Per-tensor layers are checked with compare_tensor: the activation scale is the max over the
+rounded activations, so the engine's GEMM landing one bf16 ulp away on that single largest value
+(wgmma's FP8 accumulation is not exact float32) re-rounds every activation on a grid shifted by
+0.4%, ~2% of the output (seen at M = 699: 0.0216 against the reference's own amax). The test
+accepts the reference with its amax one ulp up or down too, and prints all three errors."""
 import pytest
 import torch
 
@@ -15,6 +21,28 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), 
 
 WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
 DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
+
+
+def compare_tensor(layer, out, x, logits, cfg, what):
+    """compare() against the fake-quant reference; per tensor also with the activation amax one
+    act-dtype ulp up and down (reference.fp8_experts act_amax_ulps): the smallest error counts."""
+    import reference as ref
+    from helpers import keep_rows
+    from test_fp8 import dequantized
+    shifts = (0, -1, 1) if layer.quant_method.weight_block_size is None else (0,)
+    weights, ids, margin = ref.route(logits.cpu(), layer.top_k)
+    w13, w2 = dequantized(layer)
+    params = dict(layer.named_parameters())
+    keep = keep_rows(margin)
+    errs = []
+    for ulps in shifts:
+        want = ref.fp8_experts(
+            x.cpu(), w13.cpu(), w2.cpu(), weights, ids, block=layer.quant_method.weight_block_size is not None,
+            activation=cfg[1]["activation"], is_act_and_mul=cfg[3], w13_bias=params.get("w13_bias"),
+            w2_bias=params.get("w2_bias"), expert_map=layer.expert_map, act_dtype=x.dtype, act_amax_ulps=ulps)
+        errs.append(ref.rel_err(out.cpu()[keep], want.cpu()[keep]))
+    print(f"{what}: rel_err {errs} (amax shifts {shifts}, bound {FP8_TOL})")
+    assert min(errs) <= FP8_TOL, f"{what}: rel_err {errs} > {FP8_TOL}"
 
 
 def loaded(gen, style, method, dtype, e, k, h, i, cfg):
@@ -33,8 +61,7 @@ def test_fp8_prefill_cluster_pairs(method, gen):
     m = 2100
     x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, m, e, device="cuda", scale=2.0)
-    want, margin = fp8_reference(layer, x, logits)
-    compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 {method} pairs M={m}")
+    compare_tensor(layer, layer(x, logits), x, logits, CONFIGS[0], f"fp8 {method} pairs M={m}")
 
 
 def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
@@ -65,8 +92,7 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     out = layer(x, logits)
     assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    want, margin = fp8_reference(layer, x, logits, cfg[1]["activation"], cfg[3])
-    compare(out, want, margin, FP8_TOL, f"fp8 {method} {cfg[0]} {dtype} M={m}")
+    compare_tensor(layer, out, x, logits, cfg, f"fp8 {method} {cfg[0]} {dtype} M={m}")
     if on_hopper():
         kernel = DECODE_FP8 if rows_per_expert < 64 else WGMMA_FP8
         names = kernels_of(lambda: layer(x, logits))
@@ -81,8 +107,7 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
     for m in (1, 3):
         x = randn(gen, m, h, dtype=torch.float16, device="cuda")
         logits = randn(gen, m, e, device="cuda", scale=2.0)
-        want, margin = fp8_reference(layer, x, logits, "swigluoai")
-        compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 {method} split-K M={m}")
+        compare_tensor(layer, layer(x, logits), x, logits, CONFIGS[2], f"fp8 {method} split-K M={m}")
 
 
 @pytest.mark.parametrize("m", [4, 512])  # decode kernel, persistent kernel
@@ -100,8 +125,7 @@ def test_fp8_graph_replay(method, m, gen):
         static_logits.copy_(logits)
         graph.replay()
         torch.cuda.synchronize()
-        want, margin = fp8_reference(layer, x, logits, "swigluoai")
-        compare(static_out, want, margin, FP8_TOL, f"fp8 {method} graph replay M={m}")
+        compare_tensor(layer, static_out, x, logits, CONFIGS[2], f"fp8 {method} graph replay M={m}")
 
 
 @pytest.mark.parametrize("rows", [1, 19, 300])  # 16-row tiles, several of them, 64-row tiles
