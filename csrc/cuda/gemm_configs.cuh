@@ -191,9 +191,14 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
 
 /* Below kSm90MinRowsPerExpert rows per expert the Hopper path runs the
  * decode kernel (operands swapped: weight rows are wgmma's m): 16-token
- * tiles under 32 expected rows per expert, else 64-token tiles. Thresholds
- * those of the mma.sync rule, to be tuned on H200 data. Shared by the
- * 16-bit and the FP8 rules. */
+ * tiles under 32 expected rows per expert, else 64-token tiles (the
+ * mma.sync rule's thresholds). Against the mma.sync decode / mid tiles it
+ * replaced (bf16, H200, full grid fa9c6f5 against a01c967): 0.99-1.15x at
+ * M = 8..1024 except Mixtral M = 64 (0.84x, two 16-token tiles per expert,
+ * since helped by the grid order of grouped_gemm_sm90_decode.cuh) and M = 1
+ * (0.85-0.87x on qwen3moe / gptoss: the extra gather launch). FP8: the
+ * mma.sync path had no FP8 tensor cores on Hopper; 1.0-1.2x. Shared by
+ * the 16-bit and the FP8 rules. */
 static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_experts)
 {
     return rows < 32 * local_experts ? MX_TILE_SM90_DECODE : MX_TILE_SM90_MID;
@@ -222,16 +227,16 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
 /* Rule for the Hopper path (taken only where mx_cuda_sm90_gemm_available()):
  * TMA needs 16-byte row strides, so H and I must be multiples of 8. Below
  * kSm90MinRowsPerExpert expected rows per local expert the layer is weight-
- * bandwidth bound and the mma.sync decode / mid tiles (16 / 64 rows, no
- * padding to 128) stream the weights as well or better: gptoss at 32 rows
- * per expert 1705 us (mid) against 1992 us (sm90), qwen3moe at 64 rows 459
- * against 534 us, Mixtral at 64 rows 792 against 1242 us (stage totals, H200,
- * 2026-11-22). From kSm90PairMinRowsPerExpert rows (8 m tiles per expert,
+ * bandwidth bound and 128-row tiles pad too much (gptoss at 32 rows per
+ * expert 1705 us with 64-row tiles against 1992 us, qwen3moe at 64 rows 459
+ * against 534 us, Mixtral at 64 rows 792 against 1242 us; stage totals, H200,
+ * 2026-11-22): the decode kernel takes them (mx_select_sm90_decode_config).
+ * From kSm90PairMinRowsPerExpert rows (8 m tiles per expert,
  * so m tile pairs rarely straddle two experts) the cluster config wins in
  * every run: Mixtral M=16384 18.2-18.6 against 18.9-19.1 ms, M=4096 4.4-4.7
  * against 4.8-5.1 ms, qwen3moe M=16384 equal; at 128-256 rows it loses 4-9%;
  * gptoss at 512 rows moved either way between runs.
- * Returns MX_TILE_SM90 / MX_TILE_SM90_PAIR, or -1 for the mma.sync rule. */
+ * Returns an SM90 config, or -1 for the mma.sync rule. */
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
 
