@@ -1,5 +1,7 @@
 """Small CUDA forwards run under compute-sanitizer by test_sanitizer.py: routing modes,
-bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods."""
+bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
+multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16- and 64-token
+tiles, split-K), the persistent kernel (>= 64 rows per expert), FP8 on both, and moe_ext.Linear."""
 import torch
 
 import moe_ext
@@ -29,17 +31,30 @@ def main():
                 x = torch.randn(m, kw["hidden_size"], generator=gen).to("cuda", dtype)
                 logits = torch.randn(m, kw["num_experts"], generator=gen).cuda()
                 assert torch.isfinite(layer(x, logits)).all()
+    kw = cases[1]  # 8 experts, top 2: 300 tokens are 75 rows per expert
+    layer = moe_ext.FusedMoE(params_dtype=torch.bfloat16, device="cuda", **kw)
+    fill(layer, gen)
+    x = torch.randn(300, kw["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
+    assert torch.isfinite(layer(x, torch.randn(300, 8, generator=gen).cuda())).all()
     for block in (None, [128, 128]):
-        layer = moe_ext.FusedMoE(8, 2, 200, 130, params_dtype=torch.bfloat16, device="cuda",
-                                 quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
-        for e in range(8):
-            for shard, shape in (("w1", (130, 200)), ("w3", (130, 200)), ("w2", (200, 130))):
-                param = layer.w2_weight if shard == "w2" else layer.w13_weight
-                w = torch.randn(*shape, generator=gen) * 0.05
-                param.weight_loader(param, w, "experts.weight", shard_id=shard, expert_id=e)
-        for m in (1, 9):
-            x = torch.randn(m, 200, generator=gen).to("cuda", torch.bfloat16)
-            assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
+        for h, i, tokens in ((200, 130, (1, 9)), (256, 192, (1, 40, 100, 300))):
+            layer = moe_ext.FusedMoE(8, 2, h, i, params_dtype=torch.bfloat16, device="cuda",
+                                     quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
+            for e in range(8):
+                for shard, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+                    param = layer.w2_weight if shard == "w2" else layer.w13_weight
+                    w = torch.randn(*shape, generator=gen) * 0.05
+                    param.weight_loader(param, w, "experts.weight", shard_id=shard, expert_id=e)
+            for m in tokens:
+                x = torch.randn(m, h, generator=gen).to("cuda", torch.bfloat16)
+                assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
+        lin = moe_ext.Linear(256, 200, bias=True, params_dtype=torch.bfloat16, device="cuda",
+                             quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
+        lin.weight.weight_loader(lin.weight, torch.randn(200, 256, generator=gen) * 0.05)
+        lin.bias.weight_loader(lin.bias, torch.randn(200, generator=gen))
+        for rows in (3, 70):
+            x = torch.randn(rows, 256, generator=gen).to("cuda", torch.bfloat16)
+            assert torch.isfinite(lin(x)).all()
     torch.cuda.synchronize()
     print("sanitizer cases done")
 
