@@ -11,6 +11,7 @@
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
  *   2. moe_scale_input_kernel  only with apply_router_weight_on_input
  *   3. GEMM1 over (m tiles, n tiles of I): act = act(x[token] @ w13[e].T + b13) in act dtype
+ *      (Hopper plans: sm90_gather_rows_kernel first copies x[token] into sorted order for the TMA)
  *   4. GEMM2 over (m tiles, n tiles of H[, k slices]): y[pair] = (act @ w2[e].T + b2) * w, float32
  *   5. moe_sum_kernel          out[t] = sum_j y[t, j], rounded once
  * Grids are sized from the worst case (tiles_max below) and surplus CTAs exit
@@ -25,8 +26,9 @@
  *   x_scaled         act   [M, H]        only with apply_router_weight_on_input
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
  *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode;
- *                                                 the sm90 plans first gather GEMM1's A
- *                                                 [rows_max, H] in act dtype here)
+ *                                                 the sm90 plans, persistent and decode,
+ *                                                 first gather GEMM1's A [rows_max, H]
+ *                                                 in act dtype here)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
 #include "common.cuh"
 #include "experts.cuh"

@@ -1,7 +1,10 @@
-/* Entry points of the Hopper (sm_90a) grouped GEMM (grouped_gemm_sm90_impl.cuh
- * holds the kernel and describes it). experts.cu calls these in place of
- * mx_cuda_grouped_gemm_bf16 / _fp16 when the plan picked MX_TILE_SM90
- * (gemm_configs.cuh, mx_select_sm90_config) and the operands allow TMA. */
+/* Entry points of the Hopper (sm_90a) grouped GEMMs: the persistent kernel
+ * (grouped_gemm_sm90_impl.cuh) and the decode kernel
+ * (grouped_gemm_sm90_decode.cuh), which describe themselves. experts.cu and
+ * experts_fp8.cu call these in place of the mma.sync GEMMs when the plan
+ * picked an SM90 config (gemm_configs.cuh mx_select_sm90_config,
+ * gemm_configs_fp8.cuh mx_fp8_select_sm90_config) and the operands allow
+ * TMA; fp8_linear.cu for moe_ext.Linear. */
 #ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_CUH
 #define MOE_EXT_CUDA_GROUPED_GEMM_SM90_CUH
 
