@@ -1,6 +1,8 @@
-/* Tile configurations of the FP8 grouped GEMM (grouped_gemm_fp8.cuh), sm_80
- * .. sm_90, and the rules that pick one. Every compiled config is listed
- * here with its reason.
+/* Tile configurations of the FP8 grouped GEMMs and the rules that pick one:
+ * the mma.sync kernel (grouped_gemm_fp8.cuh; sm_80 .. sm_90, on Hopper only
+ * where TMA cannot take the operands), and on Hopper the wgmma kernels,
+ * whose tile shapes live in gemm_configs.cuh with the 16-bit ones. Every
+ * compiled config is listed here or there with its reason.
  *
  * kBlockK is 128 for all: one 128-byte row of float8 elements per tile row
  * (eight 16-byte chunks, XOR-swizzled by row % 8 exactly like the 16-bit
