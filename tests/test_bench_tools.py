@@ -1,0 +1,36 @@
+"""The benchmark tools that run without a GPU: compare_anchor.py scores a committed H200 result
+against issue 5's anchor table (recomputed here from the result's points)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT = os.path.join(ROOT, "benchmarks", "results", "2026-11-22-nvidia-h200-c627e2a.json")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import compare_anchor  # noqa: E402
+
+
+def test_compare_anchor_scores_a_committed_result():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare_anchor.py"), RESULT],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with open(RESULT) as f:
+        points = {(p["model"], p["dtype"], p["M"]): p["us"] for p in json.load(f)["points"]
+                  if p["method"] == "moe_ext" and p.get("us") is not None}
+    ratios = [a / points[(model, dtype, m)]
+              for (model, dtype), anchor in compare_anchor.ANCHOR.items()
+              for m, a in zip(compare_anchor.TOKENS, anchor)]
+    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    assert f"geometric mean {geo:.2f} over {len(ratios)} points" in done.stdout, done.stdout
+    assert f"{sum(r >= 1.0 for r in ratios)} at or above 1.0" in done.stdout, done.stdout
+    assert "decode (M <= 64) within 1.1 x roofline + 3 us:" in done.stdout
+
+
+def test_roofline_uses_the_streaming_read_ceiling():
+    point = {"dtype": "bf16", "us": 100.0, "tflops": 1.0, "weight_bytes": 4.0e8}
+    ceilings = {"read_tbps": 2.0, "stream_read_tbps": 4.0, "bf16_tflops": 500.0, "fp8_tflops": 1000.0}
+    assert abs(compare_anchor.roofline_us(point, ceilings) - 100.0) < 1e-9  # 4e8 B / 4 TB/s
+    del ceilings["stream_read_tbps"]  # older results: the copy figure
+    assert abs(compare_anchor.roofline_us(point, ceilings) - 200.0) < 1e-9
