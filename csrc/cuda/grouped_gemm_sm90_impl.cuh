@@ -496,9 +496,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 /* ---- host: launch ------------------------------------------------------------------ */
 
 /* Clusters of cluster_m CTAs of `kernel` that fit on the device at once
- * (one CTA per SM; cached per kernel and device): the persistent grid. Falls
- * back to SMs / cluster_m when the occupancy query fails. */
-template <typename Kernel>
+ * (one CTA per SM): the persistent grid. Cached per tile shape and device
+ * (the shape fixes threads, shared memory and cluster size; every kernel of
+ * one shape takes the same registers). Falls back to SMs / cluster_m when
+ * the occupancy query fails. */
+template <typename Shape, typename Kernel>
 int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads, int smem_bytes)
 {
     static std::atomic<int> cached[64];
@@ -569,7 +571,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
 
     constexpr int CM = Shape::kClusterM;
     const int64_t worst = mx_ceil_div(m_tiles, CM) * n_tiles; /* work units */
-    const int64_t clusters = sm90_max_clusters(kernel, device, CM, Shape::kThreads, static_cast<int>(Shape::kSmemBytes));
+    const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(Shape::kSmemBytes));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {
         kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, g, sc,
