@@ -88,8 +88,6 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_SM90_MID = MX_TILE_SM90_MID,
 };
 
-constexpr int kFp8Sm90BlockM = 128;
-
 static inline int mx_fp8_tile_is_sm90(int config)
 {
     return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PAIR || mx_tile_is_sm90_decode(config);
@@ -98,7 +96,7 @@ static inline int mx_fp8_tile_is_sm90(int config)
 static inline int mx_fp8_tile_block_m(int config)
 {
     return mx_tile_is_sm90_decode(config)    ? mx_tile_block_m(config)
-         : mx_fp8_tile_is_sm90(config)       ? kFp8Sm90BlockM
+         : mx_fp8_tile_is_sm90(config)       ? kSm90BlockM
          : config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
          : config == MX_FP8_TILE_MID   ? mx_fp8_tile_mid::kBlockM
                                        : mx_fp8_tile_decode::kBlockM;
