@@ -1,5 +1,6 @@
 /* Shared helpers of the CUDA engine (csrc/cuda/): status construction, the
- * launch check, element conversions and the MoE activations.
+ * launch check, workspace carving, the shared-memory opt-in, element
+ * conversions and the MoE activations.
  *
  * Everything here is static or a template in an unnamed namespace, so each
  * translation unit gets private copies and only the mx_* entry points of the
@@ -11,7 +12,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -61,6 +64,41 @@ inline mx_status mx_check_call(cudaError_t err, const char *what)
 }
 
 inline int64_t mx_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool mx_aligned16(const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+/* Carves a workspace: returns the offset of a piece of `bytes` at *cursor and
+ * advances it to the next 256-byte boundary. */
+inline size_t mx_ws_take(size_t *cursor, size_t bytes)
+{
+    const size_t at = *cursor;
+    *cursor += (bytes + 255) & ~static_cast<size_t>(255);
+    return at;
+}
+
+/* Opts `kernel` into smem_bytes of dynamic shared memory once per device;
+ * `configured` is the caller's per-kernel bit set. */
+template <typename Kernel>
+mx_status mx_opt_in_smem(Kernel kernel, size_t smem_bytes, std::atomic<unsigned long long> &configured,
+                         const char *name)
+{
+    int device = 0;
+    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    if (st.code != MX_OK)
+        return st;
+    const unsigned long long bit = 1ull << (device & 63);
+    if (configured.load(std::memory_order_relaxed) & bit)
+        return mx_status_ok();
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return mx_status_fail(MX_ERR_CUDA, "%s: %zu bytes of shared memory: %s", name, smem_bytes,
+                              cudaGetErrorString(err));
+    }
+    configured.fetch_or(bit, std::memory_order_relaxed);
+    return mx_status_ok();
+}
 
 /* ---- elements ------------------------------------------------------------ */
 

@@ -47,13 +47,6 @@ typedef struct experts_plan {
     size_t total_bytes;
 } experts_plan;
 
-size_t take(size_t *cursor, size_t bytes)
-{
-    const size_t at = *cursor;
-    *cursor += (bytes + 255) & ~static_cast<size_t>(255);
-    return at;
-}
-
 void make_plan(const mx_experts_problem *p, experts_plan *plan)
 {
     const int64_t pairs = p->num_tokens * p->top_k;
@@ -76,21 +69,19 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
     }
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
-    plan->off_counts = take(&at, sizeof(int32_t) * local);
-    plan->off_cursor = take(&at, sizeof(int32_t) * local);
-    plan->off_num_tiles = take(&at, sizeof(int32_t));
-    plan->off_tile_expert = take(&at, sizeof(int32_t) * plan->tiles_max);
-    plan->off_sorted_ids = take(&at, sizeof(int32_t) * plan->rows_max);
-    plan->off_x_scaled = take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
-    plan->off_act = take(&at, es * plan->rows_max * plan->ld_act);
+    plan->off_counts = mx_ws_take(&at, sizeof(int32_t) * local);
+    plan->off_cursor = mx_ws_take(&at, sizeof(int32_t) * local);
+    plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
+    plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
+    plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
+    plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
+    plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
     /* the Hopper path gathers GEMM1's A rows [rows_max, H] into y's space first */
     const size_t y_bytes = sizeof(float) * plan->down_splits * pairs * p->hidden_size;
     const size_t a_bytes = mx_tile_is_sm90(plan->tile_config) ? es * plan->rows_max * p->hidden_size : 0;
-    plan->off_y = take(&at, y_bytes > a_bytes ? y_bytes : a_bytes);
+    plan->off_y = mx_ws_take(&at, y_bytes > a_bytes ? y_bytes : a_bytes);
     plan->total_bytes = at;
 }
-
-bool aligned16(const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 /* 0 => the problem is usable (st untouched); else st holds the error. */
 int check_problem(const mx_experts_problem *p, const void *workspace, mx_status *st)
@@ -231,10 +222,10 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
 
     const int tile_config = plan.tile_config;
     /* 16-byte loads need 16-byte rows and bases (act rows always are). */
-    const int aligned1 = H % 8 == 0 && aligned16(x) && aligned16(p->w13);
-    const int aligned2 = I % 8 == 0 && aligned16(p->w2);
+    const int aligned1 = H % 8 == 0 && mx_aligned16(x) && mx_aligned16(p->w13);
+    const int aligned2 = I % 8 == 0 && mx_aligned16(p->w2);
     /* TMA needs 16-byte strides and bases; otherwise the sm90 plans run as their mma.sync fallback */
-    const bool tma = aligned1 && aligned2 && aligned16(act) && aligned16(y);
+    const bool tma = aligned1 && aligned2 && mx_aligned16(act) && mx_aligned16(y);
     const int mma_config = mx_tile_fallback(tile_config);
     if (mx_tile_is_sm90_decode(tile_config) && tma) {
         st = mx_cuda_grouped_gemm_sm90_decode(&g1, nullptr, kind1, p->act_dtype, MX_QUANT_NONE, tile_config,

@@ -69,15 +69,6 @@ typedef struct fp8_plan {
     size_t total_bytes;
 } fp8_plan;
 
-size_t take(size_t *cursor, size_t bytes)
-{
-    const size_t at = *cursor;
-    *cursor += (bytes + 255) & ~static_cast<size_t>(255);
-    return at;
-}
-
-bool aligned16(const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 /* shapes allow 16-byte weight loads (the pointers are checked at launch) */
 int shapes_aligned(const mx_experts_problem *p) { return p->hidden_size % 16 == 0 && p->intermediate_size % 16 == 0; }
 
@@ -100,21 +91,21 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
     size_t at = 0;
-    plan->off_counts = take(&at, sizeof(int32_t) * local);
-    plan->off_cursor = take(&at, sizeof(int32_t) * local);
-    plan->off_num_tiles = take(&at, sizeof(int32_t));
-    plan->off_scalars = take(&at, 3 * sizeof(float));
-    plan->off_partials = take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
-    plan->off_tile_expert = take(&at, sizeof(int32_t) * plan->tiles_max);
-    plan->off_sorted_ids = take(&at, sizeof(int32_t) * plan->rows_max);
-    plan->off_x_scaled = take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
-    plan->off_x_q = take(&at, static_cast<size_t>(M * plan->ld_xq));
-    plan->off_x_q_sorted = take(&at, mx_fp8_tile_is_sm90(tile_config) ? static_cast<size_t>(plan->rows_max * H) : 0);
-    plan->off_x_scale = take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
-    plan->off_act = take(&at, es * plan->rows_max * plan->ld_act);
-    plan->off_act_q = take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
-    plan->off_act_scale = take(&at, block ? sizeof(float) * plan->rows_max * plan->act_blocks : 0);
-    plan->off_y = take(&at, sizeof(float) * plan->down_splits * plan->pairs * H);
+    plan->off_counts = mx_ws_take(&at, sizeof(int32_t) * local);
+    plan->off_cursor = mx_ws_take(&at, sizeof(int32_t) * local);
+    plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
+    plan->off_scalars = mx_ws_take(&at, 3 * sizeof(float));
+    plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
+    plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
+    plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
+    plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
+    plan->off_x_q = mx_ws_take(&at, static_cast<size_t>(M * plan->ld_xq));
+    plan->off_x_q_sorted = mx_ws_take(&at, mx_fp8_tile_is_sm90(tile_config) ? static_cast<size_t>(plan->rows_max * H) : 0);
+    plan->off_x_scale = mx_ws_take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
+    plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
+    plan->off_act_q = mx_ws_take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
+    plan->off_act_scale = mx_ws_take(&at, block ? sizeof(float) * plan->rows_max * plan->act_blocks : 0);
+    plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * plan->pairs * H);
     plan->total_bytes = at;
 }
 
@@ -152,8 +143,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): FP8 weights need w13_scale and w2_scale");
     const int64_t M = p->num_tokens, H = p->hidden_size, I = p->intermediate_size;
     const bool block = p->quant == MX_QUANT_FP8_BLOCK;
-    const int aligned1 = H % 16 == 0 && aligned16(p->w13);
-    const int aligned2 = I % 16 == 0 && aligned16(p->w2);
+    const int aligned1 = H % 16 == 0 && mx_aligned16(p->w13);
+    const int aligned2 = I % 16 == 0 && mx_aligned16(p->w2);
     fp8_plan plan;
     make_plan(p, select_config(p, aligned1 && aligned2), &plan);
     if (plan.rows_max > 0x7fffffff || plan.pairs > 0x7fffffff)

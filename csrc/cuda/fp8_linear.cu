@@ -29,23 +29,16 @@ typedef struct linear_plan {
     size_t off_scalar, off_partials, off_x_q, off_x_scale, total_bytes;
 } linear_plan;
 
-size_t take(size_t *cursor, size_t bytes)
-{
-    const size_t at = *cursor;
-    *cursor += (bytes + 255) & ~static_cast<size_t>(255);
-    return at;
-}
-
 void make_plan(const mx_fp8_linear_problem *p, linear_plan *plan)
 {
     const bool block = p->quant == MX_QUANT_FP8_BLOCK;
     plan->ld = (p->in_features + 15) / 16 * 16;
     plan->blocks = mx_ceil_div(p->in_features, kFp8Block);
     size_t at = 0;
-    plan->off_scalar = take(&at, sizeof(float));
-    plan->off_partials = take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(p->rows));
-    plan->off_x_q = take(&at, static_cast<size_t>(p->rows * plan->ld));
-    plan->off_x_scale = take(&at, block ? sizeof(float) * p->rows * plan->blocks : 0);
+    plan->off_scalar = mx_ws_take(&at, sizeof(float));
+    plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(p->rows));
+    plan->off_x_q = mx_ws_take(&at, static_cast<size_t>(p->rows * plan->ld));
+    plan->off_x_scale = mx_ws_take(&at, block ? sizeof(float) * p->rows * plan->blocks : 0);
     plan->total_bytes = at;
 }
 

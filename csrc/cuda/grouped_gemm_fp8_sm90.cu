@@ -26,8 +26,6 @@ mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx
                                                                                a_gathered, m_tiles, stream);
 }
 
-bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 } /* namespace */
 
 extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx_fp8_gemm_kind kind, mx_quant quant,
@@ -44,8 +42,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
                               mx_dtype_name(f->out_dtype));
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
-    if (f->k % 16 || f->lda % 16 || !aligned16(f->a) || !aligned16(f->w) || (f->k_splits != 1 && !decode) ||
-        (kind != MX_FP8_GEMM_DOWN && kind != MX_FP8_GEMM_LINEAR && !aligned16(a_gathered)) ||
+    if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
+        (kind != MX_FP8_GEMM_DOWN && kind != MX_FP8_GEMM_LINEAR && !mx_aligned16(a_gathered)) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_FP8_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
     mx_gemm_args g;

@@ -310,7 +310,7 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
         return mx_status_ok();
 
     static std::atomic<unsigned long long> configured{0};
-    mx_status st = sm90_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
+    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
     /* A rows: LINEAR the rows of a (TMA zero-fills the last tile); else the workspace's worst case */

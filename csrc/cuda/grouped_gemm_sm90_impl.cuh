@@ -557,7 +557,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
         return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
 
     static std::atomic<unsigned long long> configured{0};
-    mx_status st = sm90_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
+    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
     CUtensorMap map_a, map_w;

@@ -286,23 +286,10 @@ mx_status launch_tc(const mx_gemm_args &args, int64_t m_tiles, cudaStream_t stre
     snprintf(name, sizeof name, "grouped_gemm_tc_kernel<%s, %dx%d, %s%s>", tc_dtype_name<T>(), Shape::kBlockM, BN,
              gemm_kind_names[KIND], kAligned ? "" : ", unaligned");
 
-    /* The dynamic shared-memory opt-in is per kernel and device; set it once. */
     static std::atomic<unsigned long long> configured{0};
-    int device = 0;
-    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
-    const unsigned long long bit = 1ull << (device & 63);
-    if (!(configured.load(std::memory_order_relaxed) & bit)) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(Shape::kSmemBytes));
-        if (err != cudaSuccess) {
-            cudaGetLastError();
-            return mx_status_fail(MX_ERR_CUDA, "%s: %zu bytes of shared memory: %s", name,
-                                  (size_t)Shape::kSmemBytes, cudaGetErrorString(err));
-        }
-        configured.fetch_or(bit, std::memory_order_relaxed);
-    }
 
     mx_gemm_args g = args;
     const int64_t max_y = 65535;

@@ -476,27 +476,6 @@ int sm90_operand_maps(const void *a, int64_t lda, int64_t a_rows, int a_box_rows
     return sm90_tensor_map(ka, map_a, st) && sm90_tensor_map(kw, map_w, st);
 }
 
-/* Opts `kernel` into smem_bytes of dynamic shared memory once per device;
- * `configured` is the caller's per-kernel bit set. */
-template <typename Kernel>
-mx_status sm90_opt_in_smem(Kernel kernel, size_t smem_bytes, std::atomic<unsigned long long> &configured,
-                           const char *name)
-{
-    int device = 0;
-    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
-    if (st.code != MX_OK)
-        return st;
-    const unsigned long long bit = 1ull << (device & 63);
-    if (configured.load(std::memory_order_relaxed) & bit)
-        return mx_status_ok();
-    st = mx_check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem_bytes)),
-                       name);
-    if (st.code == MX_OK)
-        configured.fetch_or(bit, std::memory_order_relaxed);
-    return st;
-}
-
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
 
 const char *const sm90_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
