@@ -76,6 +76,19 @@ inline size_t mx_ws_take(size_t *cursor, size_t bytes)
     return at;
 }
 
+/* A kernel's name for its error messages, formatted once: launchers keep it
+ * as a function-local static, so the forward's hot path formats nothing. */
+struct mx_kernel_name {
+    char text[160];
+    explicit mx_kernel_name(const char *fmt, ...)
+    {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(text, sizeof text, fmt, ap);
+        va_end(ap);
+    }
+};
+
 /* Opts `kernel` into smem_bytes of dynamic shared memory once per device;
  * `configured` is the caller's per-kernel bit set. */
 template <typename Kernel>

@@ -565,9 +565,10 @@ mx_status launch_fp8(const mx_fp8_gemm_args &args, int64_t m_tiles, cudaStream_t
     auto kernel = grouped_gemm_fp8_kernel<Shape, KIND, QUANT, kAlignedW>;
     const int64_t n_tiles = KIND == MX_FP8_GEMM_GATE_UP ? mx_ceil_div(args.out_cols, BN / 2)
                                                         : mx_ceil_div(args.n_rows, BN);
-    char name[128];
-    snprintf(name, sizeof name, "grouped_gemm_fp8_kernel<%dx%d, %s, %s%s>", Shape::kBlockM, BN,
-             fp8_kind_names[KIND], QUANT == MX_QUANT_FP8_BLOCK ? "block" : "tensor", kAlignedW ? "" : ", unaligned");
+    static const mx_kernel_name kernel_name("grouped_gemm_fp8_kernel<%dx%d, %s, %s%s>", Shape::kBlockM, BN,
+                                            fp8_kind_names[KIND], QUANT == MX_QUANT_FP8_BLOCK ? "block" : "tensor",
+                                            kAlignedW ? "" : ", unaligned");
+    const char *name = kernel_name.text;
 
     static std::atomic<unsigned long long> configured{0};
     mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);

@@ -295,10 +295,11 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: a dense launch needs rows and no tile table");
     const int64_t k_blocks = mx_ceil_div(g.k, BK);
     const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / BK;
-    char name[128];
-    snprintf(name, sizeof name, "grouped_gemm_sm90_decode_kernel<%s, %s, %d, %s%s>", sm90_dtype<TA>::name(),
-             sm90_dtype<T>::name(), Shape::kBlockT, KIND == MX_FP8_GEMM_LINEAR ? "linear" : sm90_kind_names[KIND],
-             sm90_quant_names[QUANT]);
+    static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_kernel<%s, %s, %d, %s%s>",
+                                            sm90_dtype<TA>::name(), sm90_dtype<T>::name(), Shape::kBlockT,
+                                            KIND == MX_FP8_GEMM_LINEAR ? "linear" : sm90_kind_names[KIND],
+                                            sm90_quant_names[QUANT]);
+    const char *name = kernel_name.text;
     if (g.k_splits < 1 || kb_per_split < 1 || (g.k_splits > 1 && g.k_split_len % BK) ||
         mx_ceil_div(k_blocks, kb_per_split) != g.k_splits || (g.k_splits > 1 && KIND != MX_GEMM_DOWN))
         return mx_status_fail(MX_ERR_VALUE, "%s: %d k splits of %lld do not tile k = %lld", name, g.k_splits,

@@ -282,9 +282,9 @@ mx_status launch_tc(const mx_gemm_args &args, int64_t m_tiles, cudaStream_t stre
     auto kernel = grouped_gemm_tc_kernel<T, Shape, KIND, kAligned>;
     const int64_t n_tiles = KIND == MX_GEMM_GATE_UP ? mx_ceil_div(args.out_cols, BN / 2)
                                                     : mx_ceil_div(args.n_rows, BN);
-    char name[128];
-    snprintf(name, sizeof name, "grouped_gemm_tc_kernel<%s, %dx%d, %s%s>", tc_dtype_name<T>(), Shape::kBlockM, BN,
-             gemm_kind_names[KIND], kAligned ? "" : ", unaligned");
+    static const mx_kernel_name kernel_name("grouped_gemm_tc_kernel<%s, %dx%d, %s%s>", tc_dtype_name<T>(),
+                                            Shape::kBlockM, BN, gemm_kind_names[KIND], kAligned ? "" : ", unaligned");
+    const char *name = kernel_name.text;
 
     static std::atomic<unsigned long long> configured{0};
     mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
