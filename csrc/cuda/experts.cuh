@@ -27,7 +27,16 @@ typedef enum mx_gemm_kind {
     MX_GEMM_GATE_UP_INTERLEAVED = 1, /* GEMM1, w13 rows 2i = gate i, 2i+1 = up i (swigluoai) */
     MX_GEMM_UP = 2,                  /* GEMM1, non-gated: w13 has I rows; act(h) */
     MX_GEMM_DOWN = 3,                /* GEMM2: act @ w2.T (+ bias), times the routing weight */
+    MX_GEMM_LINEAR = 4,              /* dense FP8 layer (fp8_linear.cu): identity rows, one "expert",
+                                        out = a @ w.T (+ bias) in the act dtype; FP8 kernels only */
 } mx_gemm_kind;
+
+/* The kind's name for kernel names in error messages. */
+static inline const char *mx_gemm_kind_name(int kind)
+{
+    static const char *const names[] = {"gate_up", "gate_up_interleaved", "up", "down", "linear"};
+    return kind >= 0 && kind <= MX_GEMM_LINEAR ? names[kind] : "unknown";
+}
 
 /* Arguments of a grouped GEMM launch. Rows of the problem are positions s in
  * the sorted (expert-grouped, block_m-padded) order; tile mt covers rows

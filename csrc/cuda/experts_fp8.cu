@@ -231,9 +231,9 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g1.amax = act_amax;
     g1.k_splits = 1;
     g1.k_split_len = H;
-    const mx_fp8_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_FP8_GEMM_UP
-                                 : p->activation == MX_ACT_SWIGLUOAI ? MX_FP8_GEMM_GATE_UP_INTERLEAVED
-                                                                     : MX_FP8_GEMM_GATE_UP;
+    const mx_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_GEMM_UP
+                                 : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
+                                                                     : MX_GEMM_GATE_UP;
     const bool sm90 = mx_fp8_tile_is_sm90(plan.tile_config);
     st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g1, kind1, p->quant, plan.tile_config, p->num_local_experts, x_q_sorted,
                                               plan.tiles_max, stream)
@@ -275,9 +275,9 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g2.k_splits = plan.down_splits;
     g2.k_split_len = plan.down_split_len;
     g2.out_split_stride = plan.pairs * H;
-    st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g2, MX_FP8_GEMM_DOWN, p->quant, plan.tile_config, p->num_local_experts,
+    st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, p->num_local_experts,
                                               nullptr, plan.tiles_max, stream)
-              : mx_cuda_grouped_gemm_fp8(&g2, MX_FP8_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max,
+              : mx_cuda_grouped_gemm_fp8(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max,
                                          stream);
     if (st.code != MX_OK)
         return st;

@@ -107,15 +107,6 @@ typedef struct mx_fp8_row_filter {
     int block_m;
 } mx_fp8_row_filter;
 
-/* What one FP8 GEMM launch computes; the first four mirror mx_gemm_kind. */
-typedef enum mx_fp8_gemm_kind {
-    MX_FP8_GEMM_GATE_UP = MX_GEMM_GATE_UP,
-    MX_FP8_GEMM_GATE_UP_INTERLEAVED = MX_GEMM_GATE_UP_INTERLEAVED,
-    MX_FP8_GEMM_UP = MX_GEMM_UP,
-    MX_FP8_GEMM_DOWN = MX_GEMM_DOWN,
-    MX_FP8_GEMM_LINEAR = 4, /* dense layer: identity rows, one "expert", out = a @ w.T (+ bias) in out_dtype */
-} mx_fp8_gemm_kind;
-
 /* Arguments of an FP8 grouped GEMM launch (grouped_gemm_fp8.cuh). Rows are
  * sorted positions s as in mx_gemm_args; with sorted_ids == NULL (LINEAR)
  * row s is row s of a and of out, for s < rows. */
@@ -177,7 +168,7 @@ mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, int64_t rows,
 /* grouped_gemm_fp8.cu: the expert kinds (GATE_UP .. DOWN). tile_config is
  * an mx_fp8_tile_config (gemm_configs_fp8.cuh); aligned_w: w rows and base
  * allow 16-byte loads (else only MX_FP8_TILE_MID is compiled). */
-mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_fp8_gemm_kind kind, mx_quant quant,
+mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_gemm_kind kind, mx_quant quant,
                                    int tile_config, int aligned_w, int64_t m_tiles, cudaStream_t stream);
 
 /* grouped_gemm_fp8_sm90.cu: the expert kinds on Hopper's FP8 wgmma (call
@@ -189,7 +180,7 @@ mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_fp8_gemm_kind k
  * kinds) a_gathered 16-byte aligned; block scales with GATE_UP need
  * out_cols % 64 == 0. GEMM1 kinds first gather the rows of g->a by token
  * into a_gathered (m_tiles * 128 rows of k bytes). */
-mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *g, mx_fp8_gemm_kind kind, mx_quant quant,
+mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *g, mx_gemm_kind kind, mx_quant quant,
                                         int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
                                         cudaStream_t stream);
 

@@ -46,7 +46,7 @@ template <int QUANT>
 mx_status launch_linear(const mx_fp8_gemm_args &g, int tile_config, int aligned_w, int64_t m_tiles,
                         cudaStream_t stream)
 {
-    return launch_fp8_config<MX_FP8_GEMM_LINEAR, QUANT>(g, tile_config, aligned_w, m_tiles, stream);
+    return launch_fp8_config<MX_GEMM_LINEAR, QUANT>(g, tile_config, aligned_w, m_tiles, stream);
 }
 
 } /* namespace */
@@ -130,7 +130,7 @@ extern "C" mx_status mx_cuda_fp8_linear(const mx_fp8_linear_problem *p, void *wo
     const int aligned_w = K % 16 == 0 && reinterpret_cast<uintptr_t>(p->weight) % 16 == 0;
     if (aligned_w && p->act_dtype != MX_F32 && mx_cuda_sm90_gemm_available()) {
         const int sm90 = p->rows < 32 ? MX_FP8_TILE_SM90_DECODE : MX_FP8_TILE_SM90_MID;
-        return mx_cuda_grouped_gemm_fp8_sm90(&g, MX_FP8_GEMM_LINEAR, p->quant, sm90, 1, nullptr,
+        return mx_cuda_grouped_gemm_fp8_sm90(&g, MX_GEMM_LINEAR, p->quant, sm90, 1, nullptr,
                                              mx_ceil_div(p->rows, mx_fp8_tile_block_m(sm90)), stream);
     }
     const int config = mx_fp8_select_tile_config(p->rows, 1, aligned_w);

@@ -259,8 +259,8 @@ template <int KIND, int QUANT, int BM, int BN, int THREADS>
 __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const int32_t *tile_pairs, int64_t row0,
                                                   int64_t nt, int expert, int split, const mx_fp8_gemm_args &g)
 {
-    constexpr bool kPaired = KIND == MX_FP8_GEMM_GATE_UP || KIND == MX_FP8_GEMM_GATE_UP_INTERLEAVED;
-    constexpr bool kGemm1 = kPaired || KIND == MX_FP8_GEMM_UP;
+    constexpr bool kPaired = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED;
+    constexpr bool kGemm1 = kPaired || KIND == MX_GEMM_UP;
     constexpr int OC = kPaired ? BN / 2 : BN; /* output columns of the tile */
     constexpr int V = 4;
     static_assert(OC % V == 0, "whole column quads per tile");
@@ -280,7 +280,7 @@ __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const
         const int valid = g.out_cols - col < V ? static_cast<int>(g.out_cols - col) : V;
         const float *crow = C + r * ldc;
         float v[V];
-        if (KIND == MX_FP8_GEMM_GATE_UP) {
+        if (KIND == MX_GEMM_GATE_UP) {
             const float4 ga = *reinterpret_cast<const float4 *>(crow + c);
             const float4 up = *reinterpret_cast<const float4 *>(crow + OC + c);
             const float gv[V] = {ga.x, ga.y, ga.z, ga.w}, uv[V] = {up.x, up.y, up.z, up.w};
@@ -293,7 +293,7 @@ __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const
                 }
                 v[q] = mx_act_gated(g.activation, gate, u, g.swiglu_alpha, g.swiglu_limit);
             }
-        } else if (KIND == MX_FP8_GEMM_GATE_UP_INTERLEAVED) {
+        } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
             const float4 p0 = *reinterpret_cast<const float4 *>(crow + 2 * c);
             const float4 p1 = *reinterpret_cast<const float4 *>(crow + 2 * c + 4);
             const float gv[V] = {p0.x, p0.z, p1.x, p1.z}, uv[V] = {p0.y, p0.w, p1.y, p1.w};
@@ -309,14 +309,14 @@ __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const
         } else {
             const float4 h = *reinterpret_cast<const float4 *>(crow + c);
             const float hv[V] = {h.x, h.y, h.z, h.w};
-            const float w = KIND == MX_FP8_GEMM_DOWN && g.scale_by_weight ? g.topk_weights[pair] : 1.0f;
+            const float w = KIND == MX_GEMM_DOWN && g.scale_by_weight ? g.topk_weights[pair] : 1.0f;
 #pragma unroll
             for (int q = 0; q < V; ++q) {
                 float x = hv[q] + (bias && q < valid ? mx_load_float(bias, dt, b0 + col + q) : 0.0f);
-                v[q] = KIND == MX_FP8_GEMM_UP ? mx_act_plain(g.activation, x) : KIND == MX_FP8_GEMM_DOWN ? x * w : x;
+                v[q] = KIND == MX_GEMM_UP ? mx_act_plain(g.activation, x) : KIND == MX_GEMM_DOWN ? x * w : x;
             }
         }
-        if (KIND == MX_FP8_GEMM_DOWN) {
+        if (KIND == MX_GEMM_DOWN) {
             fp8_store_out(g.out, MX_F32, split * g.out_split_stride + static_cast<int64_t>(pair) * g.ldo + col, v,
                           valid, vec);
         } else {
@@ -326,7 +326,7 @@ __device__ __forceinline__ void fp8_gemm_epilogue(const float *C, int ldc, const
                 if (kGemm1 && QUANT == MX_QUANT_FP8_TENSOR && q < valid)
                     amax = mx_amax_step(amax, v[q]);
             }
-            const int64_t out_row = KIND == MX_FP8_GEMM_LINEAR ? static_cast<int64_t>(pair) : row0 + r;
+            const int64_t out_row = KIND == MX_GEMM_LINEAR ? static_cast<int64_t>(pair) : row0 + r;
             fp8_store_out(g.out, dt, out_row * g.ldo + col, v, valid, vec);
         }
     }
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
     constexpr int ROWS_PER_PASS = THREADS / 8; /* tile rows loaded per pass (8 chunks each) */
     constexpr int A_PASSES = BM / ROWS_PER_PASS, B_PASSES = BN / ROWS_PER_PASS;
     constexpr bool kBlock = QUANT == MX_QUANT_FP8_BLOCK;
-    constexpr bool kLinear = KIND == MX_FP8_GEMM_LINEAR;
+    constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
     static_assert(BK == 128 && BK == kFp8Block, "a k tile is one row of 8 16-byte chunks and one scale block");
     static_assert(ROWS_PER_PASS % 8 == 0, "a thread keeps the same swizzle phase in every pass");
     static_assert(A_PASSES >= 1 && B_PASSES >= 1, "every thread loads A and B chunks");
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
             src = row0 + r;
         } else {
             pair = g.sorted_ids[row0 + r];
-            src = KIND == MX_FP8_GEMM_DOWN ? row0 + r : static_cast<int64_t>(pair / g.top_k);
+            src = KIND == MX_GEMM_DOWN ? row0 + r : static_cast<int64_t>(pair / g.top_k);
         }
         tile_pairs[r] = pair;
         a_rows[r] = pair >= 0 ? g.a + src * g.lda : nullptr;
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
     for (int r = tid; r < BN; r += THREADS) {
         int64_t row;
         bool ok;
-        if (KIND == MX_FP8_GEMM_GATE_UP) {
+        if (KIND == MX_GEMM_GATE_UP) {
             const int half = r >= BN / 2;
             const int64_t c = nt * (BN / 2) + r - half * (BN / 2);
             ok = c < g.out_cols;
@@ -556,17 +556,15 @@ __global__ void __launch_bounds__(Shape::kThreads,
 
 /* ---- launch ------------------------------------------------------------------- */
 
-const char *const fp8_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down", "linear"};
-
 template <typename Shape, int KIND, int QUANT, bool kAlignedW>
 mx_status launch_fp8(const mx_fp8_gemm_args &args, int64_t m_tiles, cudaStream_t stream)
 {
     constexpr int BN = Shape::kBlockN;
     auto kernel = grouped_gemm_fp8_kernel<Shape, KIND, QUANT, kAlignedW>;
-    const int64_t n_tiles = KIND == MX_FP8_GEMM_GATE_UP ? mx_ceil_div(args.out_cols, BN / 2)
+    const int64_t n_tiles = KIND == MX_GEMM_GATE_UP ? mx_ceil_div(args.out_cols, BN / 2)
                                                         : mx_ceil_div(args.n_rows, BN);
     static const mx_kernel_name kernel_name("grouped_gemm_fp8_kernel<%dx%d, %s, %s%s>", Shape::kBlockM, BN,
-                                            fp8_kind_names[KIND], QUANT == MX_QUANT_FP8_BLOCK ? "block" : "tensor",
+                                            mx_gemm_kind_name(KIND), QUANT == MX_QUANT_FP8_BLOCK ? "block" : "tensor",
                                             kAlignedW ? "" : ", unaligned");
     const char *name = kernel_name.text;
 
@@ -578,7 +576,7 @@ mx_status launch_fp8(const mx_fp8_gemm_args &args, int64_t m_tiles, cudaStream_t
     mx_fp8_gemm_args g = args;
     const int64_t max_y = 65535;
     if (g.k_splits < 1 || g.k_splits > max_y ||
-        (g.k_splits > 1 && (KIND != MX_FP8_GEMM_DOWN || g.k_split_len % Shape::kBlockK)))
+        (g.k_splits > 1 && (KIND != MX_GEMM_DOWN || g.k_split_len % Shape::kBlockK)))
         return mx_status_fail(MX_ERR_VALUE, "%s: bad split-K (%d x %lld)", name, g.k_splits, (long long)g.k_split_len);
     const unsigned splits = static_cast<unsigned>(g.k_splits);
     if (Shape::kMOnX) {

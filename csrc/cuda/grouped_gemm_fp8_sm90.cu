@@ -28,12 +28,12 @@ mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx
 
 } /* namespace */
 
-extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx_fp8_gemm_kind kind, mx_quant quant,
+extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx_gemm_kind kind, mx_quant quant,
                                                    int tile_config, int64_t local_experts, void *a_gathered,
                                                    int64_t m_tiles, cudaStream_t stream)
 {
     const bool decode = mx_tile_is_sm90_decode(tile_config);
-    if ((kind == MX_FP8_GEMM_LINEAR && !decode) || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
+    if ((kind == MX_GEMM_LINEAR && !decode) || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
         !mx_fp8_tile_is_sm90(tile_config))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: kind %d, quant %d, tile config %d not compiled",
                               (int)kind, (int)quant, tile_config);
@@ -43,8 +43,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
     if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
-        (kind != MX_FP8_GEMM_DOWN && kind != MX_FP8_GEMM_LINEAR && !mx_aligned16(a_gathered)) ||
-        (quant == MX_QUANT_FP8_BLOCK && kind == MX_FP8_GEMM_GATE_UP && f->out_cols % 64))
+        (kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR && !mx_aligned16(a_gathered)) ||
+        (quant == MX_QUANT_FP8_BLOCK && kind == MX_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
     mx_gemm_args g;
     memset(&g, 0, sizeof g);
@@ -69,7 +69,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.k_splits = f->k_splits;
     g.k_split_len = f->k_split_len;
     g.out_split_stride = f->out_split_stride;
-    g.rows = kind == MX_FP8_GEMM_LINEAR ? f->rows : 0;
+    g.rows = kind == MX_GEMM_LINEAR ? f->rows : 0;
     mx_sm90_scales sc;
     sc.a_scale = f->a_scale;
     sc.a_ld = f->a_scale_ld;
@@ -77,12 +77,11 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     sc.w_rows = mx_ceil_div(f->n_rows, kFp8Block);
     sc.w_ld = mx_ceil_div(f->k, kFp8Block);
     sc.amax = f->amax;
-    const mx_gemm_kind k = static_cast<mx_gemm_kind>(kind);
     if (decode)
-        return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, k, f->out_dtype, quant, tile_config, local_experts, a_gathered,
-                                                m_tiles, stream);
+        return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
+                                                a_gathered, m_tiles, stream);
     if (f->out_dtype == MX_BF16)
-        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, k, quant, tile_config, local_experts, a_gathered, m_tiles,
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, local_experts, a_gathered, m_tiles,
                                                  stream);
-    return fp8_sm90_for_dtype<__half>(&g, sc, k, quant, tile_config, local_experts, a_gathered, m_tiles, stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, local_experts, a_gathered, m_tiles, stream);
 }

@@ -21,7 +21,7 @@
  * it is still in L2. (m tiles fastest made two-tile experts 12% faster but
  * scattered the weight stream over experts: up to 29% slower elsewhere;
  * m tiles slowest re-read two-tile experts from DRAM. H200, 2026-11-22.)
- * Kind MX_FP8_GEMM_LINEAR (dense FP8 layer, fp8_linear.cu): identity rows
+ * Kind MX_GEMM_LINEAR (dense FP8 layer, fp8_linear.cu): identity rows
  * (no tile table, g.rows rows, one "expert"), out = acc * scale + bias in T. Thread 0 keeps kStages k
  * blocks of loads in flight: it refills a slot once every warp's wgmmas on
  * it have retired (wait_group 0, then a CTA barrier), so the weight stream
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
-    constexpr bool kLinear = KIND == MX_FP8_GEMM_LINEAR;
+    constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
 
     const int splits = g.k_splits;
     const int per_mt = kDecodeGroupN * splits; /* CTAs of one m tile in one chunk */
@@ -291,13 +291,13 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
     constexpr int BK = 128 / static_cast<int>(sizeof(TA));
     constexpr bool kPaired = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED;
     const int64_t n_tiles = kPaired ? mx_ceil_div(g.out_cols, 64) : mx_ceil_div(g.n_rows, 128);
-    if (KIND == MX_FP8_GEMM_LINEAR && (g.sorted_ids || g.rows < 1 || m_tiles != mx_ceil_div(g.rows, Shape::kBlockT)))
+    if (KIND == MX_GEMM_LINEAR && (g.sorted_ids || g.rows < 1 || m_tiles != mx_ceil_div(g.rows, Shape::kBlockT)))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: a dense launch needs rows and no tile table");
     const int64_t k_blocks = mx_ceil_div(g.k, BK);
     const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / BK;
     static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_kernel<%s, %s, %d, %s%s>",
                                             sm90_dtype<TA>::name(), sm90_dtype<T>::name(), Shape::kBlockT,
-                                            KIND == MX_FP8_GEMM_LINEAR ? "linear" : sm90_kind_names[KIND],
+                                            mx_gemm_kind_name(KIND),
                                             sm90_quant_names[QUANT]);
     const char *name = kernel_name.text;
     if (g.k_splits < 1 || kb_per_split < 1 || (g.k_splits > 1 && g.k_split_len % BK) ||
@@ -316,7 +316,7 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
         return st;
     /* A rows: LINEAR the rows of a (TMA zero-fills the last tile); else the workspace's worst case */
     CUtensorMap map_a, map_w;
-    if (!sm90_operand_maps<TA>(a, lda, KIND == MX_FP8_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
+    if (!sm90_operand_maps<TA>(a, lda, KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
                                Shape::kBlockT, g.w, g.k, g.n_rows, local_experts, 64, &map_a, &map_w, &st))
         return st;
     kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(
@@ -334,7 +334,7 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
         return mx_status_ok();
     const void *a = g->a;
     int64_t lda = g->lda;
-    if (kind != MX_GEMM_DOWN && kind != static_cast<int>(MX_FP8_GEMM_LINEAR)) {
+    if (kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR) {
         const int64_t rows = m_tiles * Shape::kBlockT;
         const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
         if (blocks > 0x7fffffff)
@@ -359,12 +359,11 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
         return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
         return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
-    default: break;
-    }
-    if constexpr (QUANT != MX_QUANT_NONE) {
-        if (kind == static_cast<int>(MX_FP8_GEMM_LINEAR))
-            return launch_sm90_decode<TA, T, Shape, MX_FP8_GEMM_LINEAR, QUANT>(*g, sc, a, lda, local_experts,
-                                                                               m_tiles, stream);
+    case MX_GEMM_LINEAR:
+        if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
+            return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, a, lda, local_experts, m_tiles,
+                                                                           stream);
+        break;
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: unknown kind %d", (int)kind);
 }

@@ -548,7 +548,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
                                 ? mx_ceil_div(g.out_cols, BN / 2)
                                 : mx_ceil_div(g.n_rows, BN);
     static const mx_kernel_name kernel_name("grouped_gemm_sm90_kernel<%s, %s, %dx%d, %s%s>", sm90_dtype<TA>::name(),
-                                            sm90_dtype<T>::name(), Shape::kBlockM, BN, sm90_kind_names[KIND],
+                                            sm90_dtype<T>::name(), Shape::kBlockM, BN, mx_gemm_kind_name(KIND),
                                             sm90_quant_names[QUANT]);
     const char *name = kernel_name.text;
     if (m_tiles * n_tiles > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)

@@ -269,8 +269,6 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kMinBlocks) grouped_ge
 
 /* ---- launch ------------------------------------------------------------------- */
 
-const char *const gemm_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
-
 template <typename T> const char *tc_dtype_name();
 template <> const char *tc_dtype_name<__nv_bfloat16>() { return "bf16"; }
 template <> const char *tc_dtype_name<__half>() { return "fp16"; }
@@ -283,7 +281,7 @@ mx_status launch_tc(const mx_gemm_args &args, int64_t m_tiles, cudaStream_t stre
     const int64_t n_tiles = KIND == MX_GEMM_GATE_UP ? mx_ceil_div(args.out_cols, BN / 2)
                                                     : mx_ceil_div(args.n_rows, BN);
     static const mx_kernel_name kernel_name("grouped_gemm_tc_kernel<%s, %dx%d, %s%s>", tc_dtype_name<T>(),
-                                            Shape::kBlockM, BN, gemm_kind_names[KIND], kAligned ? "" : ", unaligned");
+                                            Shape::kBlockM, BN, mx_gemm_kind_name(KIND), kAligned ? "" : ", unaligned");
     const char *name = kernel_name.text;
 
     static std::atomic<unsigned long long> configured{0};

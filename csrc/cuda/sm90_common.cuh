@@ -478,7 +478,6 @@ int sm90_operand_maps(const void *a, int64_t lda, int64_t a_rows, int a_box_rows
 
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
 
-const char *const sm90_kind_names[] = {"gate_up", "gate_up_interleaved", "up", "down"};
 
 } /* namespace */
 
