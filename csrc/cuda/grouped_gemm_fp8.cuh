@@ -46,45 +46,9 @@
 #include "common.cuh"
 #include "fp8.cuh"
 #include "gemm_configs_fp8.cuh"
+#include "mma_sync_ptx.cuh"
 
 namespace {
-
-/* ---- PTX helpers ------------------------------------------------------------ */
-
-__device__ __forceinline__ uint32_t fp8_smem_addr(const void *p)
-{
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-/* 16-byte global->shared copy bypassing L1 (tiles are used once per CTA);
- * bytes past src_bytes (0 or 16) are zero-filled. */
-__device__ __forceinline__ void fp8_cp_async16(void *dst, const void *src, int src_bytes)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fp8_smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-}
-
-/* 4-byte copy for the block scales (.ca: the only size-4 form). */
-__device__ __forceinline__ void fp8_cp_async4(void *dst, const void *src, int src_bytes)
-{
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(fp8_smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-}
-
-__device__ __forceinline__ void fp8_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N> __device__ __forceinline__ void fp8_cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void fp8_ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
-                                                const void *p)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(fp8_smem_addr(p)));
-}
 
 /* Which tensor-core path a device pass compiles (see the file comment):
  *   sm_89          native e4m3 mma (QMMA)
@@ -131,14 +95,6 @@ __device__ __forceinline__ float fp8_mma_unit()
 #endif
 }
 
-__device__ __forceinline__ void fp8_mma_f16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 /* c[i][j] += a[i] (16x32, row) * b[j] (32x8, col) on e4m3 fragments from
  * ldmatrix (a: rows g | g+8 x k 0-15 | 16-31; b: k 0-15 | 16-31; a thread's
  * register holds k 4t..4t+3). The f16 path splits k into two k16 mmas; in
@@ -174,7 +130,7 @@ __device__ __forceinline__ void fp8_mma_tile(float (&c)[MI][NJ][4], const uint32
         for (int i = 0; i < MI; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
-                fp8_mma_f16(c[i][j], ah[i], bh[j]);
+                mx_mma_16816<__half>::run(c[i][j], ah[i], bh[j]);
     }
 #endif
 }
@@ -187,7 +143,7 @@ __device__ __forceinline__ void fp8_load_w_chunk(uint8_t *dst, const uint8_t *ro
 {
     if (kAligned) {
         const bool ok = row != nullptr && k0 < k_end; /* K % 16 == 0: a chunk is all in or all out */
-        fp8_cp_async16(dst, ok ? static_cast<const void *>(row + k0) : dummy, ok ? 16 : 0);
+        mx_cp_async16(dst, ok ? static_cast<const void *>(row + k0) : dummy, ok ? 16 : 0);
     } else {
         uint32_t w[4];
 #pragma unroll
@@ -432,7 +388,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
             const int r = first_row + i * ROWS_PER_PASS;
             /* a chunk straddling k reads A's zero padding: whole chunks only */
             const bool ok = a_rows[r] != nullptr && k0 < k_end;
-            fp8_cp_async16(a + r * BK + swz, ok ? static_cast<const void *>(a_rows[r] + k0) : g.w, ok ? 16 : 0);
+            mx_cp_async16(a + r * BK + swz, ok ? static_cast<const void *>(a_rows[r] + k0) : g.w, ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i) {
@@ -444,7 +400,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
             for (int r = tid; r < BM + BN; r += THREADS) {
                 const float *s = r < BM ? a_scale_rows[r] : b_scale_rows[r - BM];
                 float *d = r < BM ? sSA + stage * BM + r : sSB + stage * BN + (r - BM);
-                fp8_cp_async4(d, s ? static_cast<const void *>(s + kb) : g.w, s ? 4 : 0);
+                mx_cp_async4(d, s ? static_cast<const void *>(s + kb) : g.w, s ? 4 : 0);
             }
         }
     };
@@ -464,7 +420,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT)
             load_stage(s, s);
-        fp8_cp_async_commit();
+        mx_cp_async_commit();
     }
 
     /* ldmatrix lane roles: A matrices (rows 0-7 | 8-15) x (k 0-15 | 16-31);
@@ -475,11 +431,11 @@ __global__ void __launch_bounds__(Shape::kThreads,
     const int b_chunk = (lane >> 3) & 1;
 
     for (int kt = 0; kt < KT; ++kt) {
-        fp8_cp_async_wait<STAGES - 2>();
+        mx_cp_async_wait<STAGES - 2>();
         __syncthreads(); /* stage kt landed for everyone; stage kt-1 is free */
         if (kt + STAGES - 1 < KT)
             load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
-        fp8_cp_async_commit();
+        mx_cp_async_commit();
 
         const int stage = kt % STAGES;
         const uint8_t *a = sA + stage * BM * BK;
@@ -500,13 +456,13 @@ __global__ void __launch_bounds__(Shape::kThreads,
 #pragma unroll
             for (int i = 0; i < MI; ++i) {
                 const int r = a_row + i * 16;
-                fp8_ldmatrix_x4(af[i][0], af[i][1], af[i][2], af[i][3],
+                mx_ldmatrix_x4(af[i][0], af[i][1], af[i][2], af[i][3],
                                 a + r * BK + (((2 * ks + a_chunk) ^ (r & 7)) << 4));
             }
 #pragma unroll
             for (int j = 0; j < NJ; j += 2) {
                 const int r = b_row + j * 8;
-                fp8_ldmatrix_x4(bf[j][0], bf[j][1], bf[j + 1][0], bf[j + 1][1],
+                mx_ldmatrix_x4(bf[j][0], bf[j][1], bf[j + 1][0], bf[j + 1][1],
                                 b + r * BK + (((2 * ks + b_chunk) ^ (r & 7)) << 4));
             }
             if constexpr (kBlock)
@@ -535,7 +491,7 @@ __global__ void __launch_bounds__(Shape::kThreads,
         }
     }
 
-    fp8_cp_async_wait<0>();
+    mx_cp_async_wait<0>();
     __syncthreads(); /* the pipeline buffers become the epilogue tile */
     const float scale = kBlock ? 1.0f : g.a_scale[0] * g.w_scale[expert] * fp8_mma_unit();
     float *C = reinterpret_cast<float *>(fp8_smem);

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     const int row0 = c, row1 = kGated ? static_cast<int>(g.out_cols) + c : c + 64; /* the two boxes' first rows */
 
     extern __shared__ __align__(1024) unsigned char sm90_decode_smem[];
-    const uint32_t raw = sm90_smem_u32(sm90_decode_smem);
+    const uint32_t raw = mx_smem_addr(sm90_decode_smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
     const uint32_t bars = base + STAGES * STAGE_BYTES;
     auto full_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(s); };

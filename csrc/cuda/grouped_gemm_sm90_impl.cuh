@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); kSmemBytes holds the slack */
-    const uint32_t base = (sm90_smem_u32(sm90_smem) + 1023u) & ~1023u;
+    const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
     const uint32_t bars = base + STAGES * STAGE_BYTES; /* full[STAGES], then empty[STAGES] */
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };

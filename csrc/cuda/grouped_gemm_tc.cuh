@@ -37,58 +37,9 @@
 #include "experts.cuh"
 #include "gemm_configs.cuh"
 #include "gemm_epilogue.cuh"
+#include "mma_sync_ptx.cuh"
 
 namespace {
-
-/* ---- PTX helpers ------------------------------------------------------------ */
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p)
-{
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-/* 16-byte global->shared copy that bypasses L1 (.cg: tiles are used once per
- * CTA); bytes past src_bytes (0 or 16) are zero-filled. */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N> __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-/* Four 8x8 b16 matrices: lanes 8i..8i+7 give the row addresses of matrix i. */
-__device__ __forceinline__ void ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3, const void *p)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_addr(p)));
-}
-
-template <typename T> struct mma_16816;
-template <> struct mma_16816<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct mma_16816<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2])
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
 
 /* One 16-byte chunk (8 elements from column k0) of a tile row into shared
  * memory; row == nullptr or columns >= K (the end of this CTA's k range)
@@ -98,7 +49,7 @@ __device__ __forceinline__ void load_chunk(T *dst, const T *row, int64_t k0, int
 {
     if (kAligned) {
         const bool ok = row != nullptr && k0 < K; /* K % 8 == 0: a chunk is all in or all out */
-        cp_async16(dst, ok ? static_cast<const void *>(row + k0) : dummy, ok ? 16 : 0);
+        mx_cp_async16(dst, ok ? static_cast<const void *>(row + k0) : dummy, ok ? 16 : 0);
     } else {
         const unsigned short *src = reinterpret_cast<const unsigned short *>(row);
         uint32_t w[4];
@@ -207,7 +158,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kMinBlocks) grouped_ge
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT)
             load_stage(s, s);
-        cp_async_commit();
+        mx_cp_async_commit();
     }
 
     /* ldmatrix lane roles: A matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15);
@@ -218,11 +169,11 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kMinBlocks) grouped_ge
     const int b_chunk = (lane >> 3) & 1;
 
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();
+        mx_cp_async_wait<STAGES - 2>();
         __syncthreads(); /* stage kt landed for everyone; stage kt-1 is free */
         if (kt + STAGES - 1 < KT)
             load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
-        cp_async_commit();
+        mx_cp_async_commit();
 
         const T *a = sA + (kt % STAGES) * BM * BK;
         const T *b = sB + (kt % STAGES) * BN * BK;
@@ -233,24 +184,24 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kMinBlocks) grouped_ge
 #pragma unroll
             for (int i = 0; i < MI; ++i) {
                 const int r = a_row + i * 16;
-                ldmatrix_x4(af[i][0], af[i][1], af[i][2], af[i][3],
+                mx_ldmatrix_x4(af[i][0], af[i][1], af[i][2], af[i][3],
                             a + r * BK + (((2 * ks + a_chunk) ^ (r & 7)) << 3));
             }
 #pragma unroll
             for (int j = 0; j < NJ; j += 2) {
                 const int r = b_row + j * 8;
-                ldmatrix_x4(bf[j][0], bf[j][1], bf[j + 1][0], bf[j + 1][1],
+                mx_ldmatrix_x4(bf[j][0], bf[j][1], bf[j + 1][0], bf[j + 1][1],
                             b + r * BK + (((2 * ks + b_chunk) ^ (r & 7)) << 3));
             }
 #pragma unroll
             for (int i = 0; i < MI; ++i)
 #pragma unroll
                 for (int j = 0; j < NJ; ++j)
-                    mma_16816<T>::run(acc[i][j], af[i], bf[j]);
+                    mx_mma_16816<T>::run(acc[i][j], af[i], bf[j]);
         }
     }
 
-    cp_async_wait<0>();
+    mx_cp_async_wait<0>();
     __syncthreads(); /* the pipeline buffers become the epilogue tile */
     float *C = reinterpret_cast<float *>(gemm_smem);
     constexpr int LDC = Shape::kLdc;

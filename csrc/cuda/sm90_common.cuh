@@ -16,6 +16,7 @@
 #include "experts.cuh"
 #include "fp8.cuh"
 #include "grouped_gemm_sm90.cuh"
+#include "mma_sync_ptx.cuh"
 
 /* The kernel bodies exist only in the sm_90a pass (wgmma, setmaxnreg). */
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -27,11 +28,6 @@
 namespace {
 
 /* ---- PTX helpers (sm_90) ----------------------------------------------------- */
-
-__device__ __forceinline__ uint32_t sm90_smem_u32(const void *p)
-{
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
 {
