@@ -76,6 +76,38 @@ inline size_t mx_ws_take(size_t *cursor, size_t bytes)
     return at;
 }
 
+/* Launches a tiled kernel over m_tiles x n_tiles x g.k_splits CTAs: m tiles
+ * on grid x when Shape::kMOnX, else on grid y in chunks of 65535 (g.m_tile_base
+ * tells each launch its first m tile). The caller validated k_splits. */
+template <typename Shape, typename Kernel, typename Args>
+mx_status mx_launch_tile_grid(Kernel kernel, Args g, int64_t m_tiles, int64_t n_tiles, const char *name,
+                              cudaStream_t stream)
+{
+    const int64_t max_y = 65535;
+    const unsigned splits = static_cast<unsigned>(g.k_splits);
+    if (Shape::kMOnX) {
+        if (n_tiles > max_y || m_tiles > 0x7fffffff)
+            return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed the grid", name, (long long)m_tiles,
+                                  (long long)n_tiles);
+        g.m_tile_base = 0;
+        kernel<<<dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits), Shape::kThreads,
+                 Shape::kSmemBytes, stream>>>(g);
+        return mx_check_launch(name);
+    }
+    if (n_tiles > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "%s: %lld n tiles exceed the grid", name, (long long)n_tiles);
+    for (int64_t base = 0; base < m_tiles; base += max_y) {
+        const int64_t rows = m_tiles - base < max_y ? m_tiles - base : max_y;
+        g.m_tile_base = static_cast<int>(base);
+        kernel<<<dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(rows), splits), Shape::kThreads,
+                 Shape::kSmemBytes, stream>>>(g);
+        const mx_status st = mx_check_launch(name);
+        if (st.code != MX_OK)
+            return st;
+    }
+    return mx_status_ok();
+}
+
 /* A kernel's name for its error messages, formatted once: launchers keep it
  * as a function-local static, so the forward's hot path formats nothing. */
 struct mx_kernel_name {

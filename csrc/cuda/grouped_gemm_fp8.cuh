@@ -513,12 +513,12 @@ __global__ void __launch_bounds__(Shape::kThreads,
 /* ---- launch ------------------------------------------------------------------- */
 
 template <typename Shape, int KIND, int QUANT, bool kAlignedW>
-mx_status launch_fp8(const mx_fp8_gemm_args &args, int64_t m_tiles, cudaStream_t stream)
+mx_status launch_fp8(const mx_fp8_gemm_args &g, int64_t m_tiles, cudaStream_t stream)
 {
     constexpr int BN = Shape::kBlockN;
     auto kernel = grouped_gemm_fp8_kernel<Shape, KIND, QUANT, kAlignedW>;
-    const int64_t n_tiles = KIND == MX_GEMM_GATE_UP ? mx_ceil_div(args.out_cols, BN / 2)
-                                                        : mx_ceil_div(args.n_rows, BN);
+    const int64_t n_tiles = KIND == MX_GEMM_GATE_UP ? mx_ceil_div(g.out_cols, BN / 2)
+                                                        : mx_ceil_div(g.n_rows, BN);
     static const mx_kernel_name kernel_name("grouped_gemm_fp8_kernel<%dx%d, %s, %s%s>", Shape::kBlockM, BN,
                                             mx_gemm_kind_name(KIND), QUANT == MX_QUANT_FP8_BLOCK ? "block" : "tensor",
                                             kAlignedW ? "" : ", unaligned");
@@ -529,33 +529,10 @@ mx_status launch_fp8(const mx_fp8_gemm_args &args, int64_t m_tiles, cudaStream_t
     if (st.code != MX_OK)
         return st;
 
-    mx_fp8_gemm_args g = args;
-    const int64_t max_y = 65535;
-    if (g.k_splits < 1 || g.k_splits > max_y ||
+    if (g.k_splits < 1 || g.k_splits > 65535 ||
         (g.k_splits > 1 && (KIND != MX_GEMM_DOWN || g.k_split_len % Shape::kBlockK)))
         return mx_status_fail(MX_ERR_VALUE, "%s: bad split-K (%d x %lld)", name, g.k_splits, (long long)g.k_split_len);
-    const unsigned splits = static_cast<unsigned>(g.k_splits);
-    if (Shape::kMOnX) {
-        if (n_tiles > max_y || m_tiles > 0x7fffffff)
-            return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed the grid", name, (long long)m_tiles,
-                                  (long long)n_tiles);
-        g.m_tile_base = 0;
-        kernel<<<dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits), Shape::kThreads,
-                 Shape::kSmemBytes, stream>>>(g);
-        return mx_check_launch(name);
-    }
-    if (n_tiles > 0x7fffffff)
-        return mx_status_fail(MX_ERR_VALUE, "%s: %lld n tiles exceed the grid", name, (long long)n_tiles);
-    for (int64_t base = 0; base < m_tiles; base += max_y) {
-        const int64_t rows = m_tiles - base < max_y ? m_tiles - base : max_y;
-        g.m_tile_base = static_cast<int>(base);
-        kernel<<<dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(rows), splits), Shape::kThreads,
-                 Shape::kSmemBytes, stream>>>(g);
-        st = mx_check_launch(name);
-        if (st.code != MX_OK)
-            return st;
-    }
-    return mx_status_ok();
+    return mx_launch_tile_grid<Shape>(kernel, g, m_tiles, n_tiles, name, stream);
 }
 
 /* (config, alignment) -> instantiation; unaligned weights only with mid. */
