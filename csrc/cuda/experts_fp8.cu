@@ -192,15 +192,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     routed.top_k = p->top_k;
     routed.global_experts = p->global_num_experts;
     routed.local_experts = p->num_local_experts;
-    if (block) {
-        st = mx_cuda_fp8_rows_quant_group(x, p->act_dtype, M, H, H, kFp8Block, &routed, x_q, plan.ld_xq, x_scale,
-                                          plan.x_blocks, stream);
-    } else {
-        st = mx_cuda_fp8_rows_amax(x, p->act_dtype, M, H, H, &routed, partials, act_amax, stream);
-        if (st.code == MX_OK)
-            st = mx_cuda_fp8_rows_quant_tensor(x, p->act_dtype, M, H, H, &routed, partials, nullptr, x_q, plan.ld_xq,
-                                               x_tensor_scale, stream);
-    }
+    st = mx_cuda_fp8_quant_a(x, p->act_dtype, M, H, H, &routed, p->quant, partials, act_amax, x_q, plan.ld_xq,
+                             block ? x_scale : x_tensor_scale, plan.x_blocks, stream);
     if (st.code != MX_OK)
         return st;
 

@@ -165,6 +165,14 @@ mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, int64_t rows,
                                        int group, const mx_fp8_row_filter *filter, uint8_t *q, int64_t ldq,
                                        float *scales, int64_t scale_ld, cudaStream_t stream);
 
+/* fp8_quant.cu: an FP8 GEMM's A operand from x, as the GEMM's quant wants
+ * it: FP8_BLOCK per row and 128 columns (scales [rows, scale_ld]); FP8_TENSOR
+ * per tensor through the two launches above (partials; *reset, when given,
+ * zeroed for a later atomic amax; the scale into scales[0]). */
+mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t rows, int64_t cols, int64_t ldx,
+                              const mx_fp8_row_filter *filter, mx_quant quant, float *partials, uint32_t *reset,
+                              uint8_t *q, int64_t ldq, float *scales, int64_t scale_ld, cudaStream_t stream);
+
 /* grouped_gemm_fp8.cu: the expert kinds (GATE_UP .. DOWN). tile_config is
  * an mx_fp8_tile_config (gemm_configs_fp8.cuh); aligned_w: w rows and base
  * allow 16-byte loads (else only MX_FP8_TILE_MID is compiled). */

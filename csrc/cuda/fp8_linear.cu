@@ -94,16 +94,8 @@ extern "C" mx_status mx_cuda_fp8_linear(const mx_fp8_linear_problem *p, void *wo
     memset(&all, 0, sizeof all);
     all.mode = MX_FP8_ROWS_ALL;
     const int64_t K = p->in_features;
-    mx_status st;
-    if (block) {
-        st = mx_cuda_fp8_rows_quant_group(p->x, p->act_dtype, p->rows, K, K, kFp8Block, &all, x_q, plan.ld, x_scale,
-                                          plan.blocks, stream);
-    } else {
-        st = mx_cuda_fp8_rows_amax(p->x, p->act_dtype, p->rows, K, K, &all, partials, nullptr, stream);
-        if (st.code == MX_OK)
-            st = mx_cuda_fp8_rows_quant_tensor(p->x, p->act_dtype, p->rows, K, K, &all, partials, nullptr, x_q,
-                                               plan.ld, x_tensor_scale, stream);
-    }
+    mx_status st = mx_cuda_fp8_quant_a(p->x, p->act_dtype, p->rows, K, K, &all, p->quant, partials, nullptr, x_q,
+                                       plan.ld, block ? x_scale : x_tensor_scale, plan.blocks, stream);
     if (st.code != MX_OK)
         return st;
 

@@ -386,3 +386,17 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, in
         return mx_check_launch("group_quant_kernel");
     });
 }
+
+extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t rows, int64_t cols, int64_t ldx,
+                                         const mx_fp8_row_filter *filter, mx_quant quant, float *partials,
+                                         uint32_t *reset, uint8_t *q, int64_t ldq, float *scales, int64_t scale_ld,
+                                         cudaStream_t stream)
+{
+    if (quant == MX_QUANT_FP8_BLOCK)
+        return mx_cuda_fp8_rows_quant_group(x, dt, rows, cols, ldx, kFp8Block, filter, q, ldq, scales, scale_ld,
+                                            stream);
+    mx_status st = mx_cuda_fp8_rows_amax(x, dt, rows, cols, ldx, filter, partials, reset, stream);
+    if (st.code != MX_OK)
+        return st;
+    return mx_cuda_fp8_rows_quant_tensor(x, dt, rows, cols, ldx, filter, partials, nullptr, q, ldq, scales, stream);
+}
