@@ -216,9 +216,10 @@ def dequantized(layer):
             ref.fp8_dequant_block(layer.w2_weight, layer.w2_weight_scale_inv))
 
 
-def fp8_reference(layer, x, logits, activation="silu", gated=True):
+def fp8_reference(layer, x, logits, activation="silu", gated=True, act_amax_ulps=0):
     """(float64 reference of the FP8 layer, routing margin) from the layer's own quantized
-    parameters (dequantized) and fake-quantized activations."""
+    parameters (dequantized) and fake-quantized activations (act_amax_ulps: see
+    reference.fp8_experts)."""
     weights, ids, margin = ref.route(logits.cpu(), layer.top_k)
     w13, w2 = dequantized(layer)
     params = dict(layer.named_parameters())
@@ -226,7 +227,7 @@ def fp8_reference(layer, x, logits, activation="silu", gated=True):
         x.cpu(), w13.cpu(), w2.cpu(), weights, ids,
         block=layer.quant_method.weight_block_size is not None, activation=activation,
         is_act_and_mul=gated, w13_bias=params.get("w13_bias"), w2_bias=params.get("w2_bias"),
-        expert_map=layer.expert_map, act_dtype=x.dtype)
+        expert_map=layer.expert_map, act_dtype=x.dtype, act_amax_ulps=act_amax_ulps)
     return want, margin
 
 

@@ -28,18 +28,11 @@ def compare_tensor(layer, out, x, logits, cfg, what):
     act-dtype ulp up and down (reference.fp8_experts act_amax_ulps): the smallest error counts."""
     import reference as ref
     from helpers import keep_rows
-    from test_fp8 import dequantized
     shifts = (0, -1, 1) if layer.quant_method.weight_block_size is None else (0,)
-    weights, ids, margin = ref.route(logits.cpu(), layer.top_k)
-    w13, w2 = dequantized(layer)
-    params = dict(layer.named_parameters())
-    keep = keep_rows(margin)
     errs = []
     for ulps in shifts:
-        want = ref.fp8_experts(
-            x.cpu(), w13.cpu(), w2.cpu(), weights, ids, block=layer.quant_method.weight_block_size is not None,
-            activation=cfg[1]["activation"], is_act_and_mul=cfg[3], w13_bias=params.get("w13_bias"),
-            w2_bias=params.get("w2_bias"), expert_map=layer.expert_map, act_dtype=x.dtype, act_amax_ulps=ulps)
+        want, margin = fp8_reference(layer, x, logits, cfg[1]["activation"], cfg[3], act_amax_ulps=ulps)
+        keep = keep_rows(margin)
         errs.append(ref.rel_err(out.cpu()[keep], want.cpu()[keep]))
     print(f"{what}: rel_err {errs} (amax shifts {shifts}, bound {FP8_TOL})")
     assert min(errs) <= FP8_TOL, f"{what}: rel_err {errs} > {FP8_TOL}"
