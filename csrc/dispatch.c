@@ -350,21 +350,19 @@ PyObject *mx_run_moe(mx_module_state *st, const mx_route_args *ra, const mx_expe
     mx_device_scope scope;
     if (mx_enter_device(st, x, &scope) < 0)
         goto error;
-    mx_status status = {MX_OK, ""};
-    if (routed_here) {
-        mx_routing_problem rp;
+    mx_routing_problem rp;
+    if (routed_here) { /* the engine routes first (the CUDA one fused with its sort) */
         float *weights = (float *)ws;
         int32_t *ids = (int32_t *)(ws + align_up(pairs * 4));
         fill_routing_problem(&rp, ra, logits, bias, weights, ids);
-        status = route_on(x, &rp, scope.stream);
+        p.routing = &rp;
         p.topk_weights = weights;
         p.topk_ids = ids;
     } else {
         p.topk_weights = topk_weights->data;
         p.topk_ids = topk_ids->data;
     }
-    if (status.code == MX_OK)
-        status = experts_on(x, &p, ws + routing_bytes, scope.stream);
+    mx_status status = experts_on(x, &p, ws + routing_bytes, scope.stream);
     mx_leave_device(&scope);
     Py_DECREF(workspace); /* stream-ordered reuse in torch's caching allocator */
     workspace = NULL;

@@ -15,6 +15,7 @@ import torch
 import moe_ext
 from helpers import capture_forward, kernels_of, on_hopper, randn
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
+from test_gpu_sm90 import GATHER_KERNEL, PERSISTENT_KERNEL, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
@@ -72,8 +73,8 @@ def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
         assert not any(WGMMA_FP8 in n for n in names), f"unexpected FP8 wgmma kernel: {names}"
 
 
-# decode kernel: 16-token tiles (1 token), 16-token tiles, 64-token tiles; persistent kernel: 233
-@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 48, 233])
+# decode kernel: 16-token tiles (1 token), 16-, 32-, 64-token tiles; persistent kernel: 233
+@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 16, 48, 233])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 @pytest.mark.parametrize("method", list(METHODS))
@@ -87,9 +88,13 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
     assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
     compare_tensor(layer, out, x, logits, cfg, f"fp8 {method} {cfg[0]} {dtype} M={m}")
     if on_hopper():
-        kernel = DECODE_FP8 if rows_per_expert < 64 else WGMMA_FP8
         names = kernels_of(lambda: layer(x, logits))
-        assert any(kernel in n for n in names), f"no {kernel} ran: {names}"
+        tile = expected_gemm_kernel(m * k / e)
+        if tile == PERSISTENT_KERNEL:
+            assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+        else:
+            assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
+            assert not any(GATHER_KERNEL in n for n in names), names
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -527,6 +527,11 @@ static mx_status mx_check(const mx_experts_problem *p, const void *workspace)
 
 mx_status mx_cpu_experts(const mx_experts_problem *p, void *workspace)
 {
+    if (p->routing && p->num_tokens > 0) {
+        mx_status routed = mx_cpu_route(p->routing);
+        if (routed.code != MX_OK)
+            return routed;
+    }
     mx_status st = mx_check(p, workspace);
     if (st.code != MX_OK)
         return st;

@@ -8,10 +8,13 @@
  *   topk_ids i32 [M, k], expert_map i32 [E_global] -> out [M, H].
  *
  * Launches, in stream order (no host synchronization, no allocation):
+ *   0. route_kernel            only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
+ *                              (route_align_kernel: routing and this in one launch, M <= 32)
  *   2. moe_scale_input_kernel  only with apply_router_weight_on_input
  *   3. GEMM1 over (m tiles, n tiles of I): act = act(x[token] @ w13[e].T + b13) in act dtype
- *      (Hopper plans: sm90_gather_rows_kernel first copies x[token] into sorted order for the TMA)
+ *      (Hopper persistent plans: sm90_gather_rows_kernel first copies x[token] into sorted order
+ *      for the TMA; the Hopper decode kernel reads x[token] itself)
  *   4. GEMM2 over (m tiles, n tiles of H[, k slices]): y[pair] = (act @ w2[e].T + b2) * w, float32
  *   5. moe_sum_kernel          out[t] = sum_j y[t, j], rounded once
  * Grids are sized from the worst case (tiles_max below) and surplus CTAs exit
@@ -26,9 +29,8 @@
  *   x_scaled         act   [M, H]        only with apply_router_weight_on_input
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
  *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode;
- *                                                 the sm90 plans, persistent and decode,
- *                                                 first gather GEMM1's A [rows_max, H]
- *                                                 in act dtype here)
+ *                                                 the persistent sm90 plans first gather
+ *                                                 GEMM1's A [rows_max, H] in act dtype here)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
 #include "common.cuh"
 #include "experts.cuh"
@@ -47,13 +49,14 @@ typedef struct experts_plan {
     size_t total_bytes;
 } experts_plan;
 
-void make_plan(const mx_experts_problem *p, experts_plan *plan)
+/* tma: the operands allow the Hopper kernels' TMA loads (see tma_usable) */
+void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
 {
     const int64_t pairs = p->num_tokens * p->top_k;
     const int64_t local = p->num_local_experts;
     plan->tile_config = mx_select_tile_config(pairs, local);
     const int sm90 = mx_select_sm90_config(pairs, local, p->hidden_size, p->intermediate_size);
-    if (p->act_dtype != MX_F32 && sm90 >= 0 && mx_cuda_sm90_gemm_available())
+    if (p->act_dtype != MX_F32 && sm90 >= 0 && tma && mx_cuda_sm90_gemm_available())
         plan->tile_config = sm90;
     plan->block_m = p->act_dtype == MX_F32 ? MX_F32_BLOCK_M : mx_tile_block_m(plan->tile_config);
     plan->pairs = pairs;
@@ -76,11 +79,22 @@ void make_plan(const mx_experts_problem *p, experts_plan *plan)
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
-    /* the Hopper path gathers GEMM1's A rows [rows_max, H] into y's space first */
+    /* the persistent Hopper kernel gathers GEMM1's A rows [rows_max, H] into y's space first */
     const size_t y_bytes = sizeof(float) * plan->down_splits * pairs * p->hidden_size;
-    const size_t a_bytes = mx_tile_is_sm90(plan->tile_config) ? es * plan->rows_max * p->hidden_size : 0;
+    const size_t a_bytes = mx_tile_is_sm90(plan->tile_config) && !mx_tile_is_sm90_decode(plan->tile_config)
+                             ? es * plan->rows_max * p->hidden_size
+                             : 0;
     plan->off_y = mx_ws_take(&at, y_bytes > a_bytes ? y_bytes : a_bytes);
     plan->total_bytes = at;
+}
+
+/* TMA needs 16-byte row strides and bases: x, the weights and the
+ * workspace (act and y are 256-byte aligned pieces of it). Otherwise the
+ * plan takes the mma.sync configs. */
+int tma_usable(const mx_experts_problem *p, const void *workspace)
+{
+    return p->hidden_size % 8 == 0 && p->intermediate_size % 8 == 0 && mx_aligned16(p->hidden_states) &&
+           mx_aligned16(p->w13) && mx_aligned16(p->w2) && mx_aligned16(workspace);
 }
 
 /* 0 => the problem is usable (st untouched); else st holds the error. */
@@ -129,9 +143,10 @@ extern "C" size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p)
         return 0;
     if (p->quant != MX_QUANT_NONE)
         return mx_cuda_experts_fp8_workspace_bytes(p);
-    experts_plan plan;
-    make_plan(p, &plan);
-    return plan.total_bytes;
+    experts_plan with_tma, without;
+    make_plan(p, 1, &with_tma);
+    make_plan(p, 0, &without);
+    return with_tma.total_bytes > without.total_bytes ? with_tma.total_bytes : without.total_bytes;
 }
 
 extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *stream_ptr)
@@ -146,7 +161,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
 
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     experts_plan plan;
-    make_plan(p, &plan);
+    make_plan(p, tma_usable(p, workspace), &plan);
     if (plan.rows_max > 0x7fffffff || plan.pairs > 0x7fffffff) /* the FP8 pipeline checks its own plan */
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): M * top_k = %lld pairs exceed int32 indexing",
                               (long long)plan.pairs);
@@ -161,8 +176,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
     const int64_t H = p->hidden_size, I = p->intermediate_size;
 
-    st = mx_cuda_moe_align(p->topk_ids, p->expert_map, plan.pairs, p->global_num_experts, p->num_local_experts,
-                           plan.block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
+    st = mx_cuda_route_and_align(p, plan.block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
     if (st.code != MX_OK)
         return st;
 
@@ -220,30 +234,27 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     /* 16-byte loads need 16-byte rows and bases (act rows always are). */
     const int aligned1 = H % 8 == 0 && mx_aligned16(x) && mx_aligned16(p->w13);
     const int aligned2 = I % 8 == 0 && mx_aligned16(p->w2);
-    /* TMA needs 16-byte strides and bases; otherwise the sm90 plans run as their mma.sync fallback */
-    const bool tma = aligned1 && aligned2 && mx_aligned16(act) && mx_aligned16(y);
-    const int mma_config = mx_tile_fallback(tile_config);
-    if (mx_tile_is_sm90_decode(tile_config) && tma) {
+    if (mx_tile_is_sm90_decode(tile_config)) {
         st = mx_cuda_grouped_gemm_sm90_decode(&g1, nullptr, kind1, p->act_dtype, MX_QUANT_NONE, tile_config,
-                                              p->num_local_experts, y, plan.tiles_max, stream);
+                                              p->num_local_experts, plan.tiles_max, stream);
         if (st.code == MX_OK)
             st = mx_cuda_grouped_gemm_sm90_decode(&g2, nullptr, MX_GEMM_DOWN, p->act_dtype, MX_QUANT_NONE, tile_config,
-                                                  p->num_local_experts, nullptr, plan.tiles_max, stream);
-    } else if (mx_tile_is_sm90(tile_config) && tma) {
+                                                  p->num_local_experts, plan.tiles_max, stream);
+    } else if (mx_tile_is_sm90(tile_config)) {
         const auto gemm = p->act_dtype == MX_BF16 ? mx_cuda_grouped_gemm_bf16_sm90 : mx_cuda_grouped_gemm_fp16_sm90;
         st = gemm(&g1, kind1, tile_config, p->num_local_experts, y, plan.tiles_max, stream);
         if (st.code == MX_OK)
             st = gemm(&g2, MX_GEMM_DOWN, tile_config, p->num_local_experts, nullptr, plan.tiles_max, stream);
     } else switch (p->act_dtype) {
     case MX_BF16:
-        st = mx_cuda_grouped_gemm_bf16(&g1, kind1, mma_config, aligned1, plan.tiles_max, stream);
+        st = mx_cuda_grouped_gemm_bf16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);
         if (st.code == MX_OK)
-            st = mx_cuda_grouped_gemm_bf16(&g2, MX_GEMM_DOWN, mma_config, aligned2, plan.tiles_max, stream);
+            st = mx_cuda_grouped_gemm_bf16(&g2, MX_GEMM_DOWN, tile_config, aligned2, plan.tiles_max, stream);
         break;
     case MX_F16:
-        st = mx_cuda_grouped_gemm_fp16(&g1, kind1, mma_config, aligned1, plan.tiles_max, stream);
+        st = mx_cuda_grouped_gemm_fp16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);
         if (st.code == MX_OK)
-            st = mx_cuda_grouped_gemm_fp16(&g2, MX_GEMM_DOWN, mma_config, aligned2, plan.tiles_max, stream);
+            st = mx_cuda_grouped_gemm_fp16(&g2, MX_GEMM_DOWN, tile_config, aligned2, plan.tiles_max, stream);
         break;
     default:
         st = mx_cuda_grouped_gemm_f32(&g1, kind1, plan.tiles_max, stream);

@@ -80,6 +80,13 @@ mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, 
                             int32_t *cursor, int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
                             cudaStream_t stream);
 
+/* route_align.cu: routing when p->routing is set (fused with the sort into
+ * one launch when M is small), then the sort of mx_cuda_moe_align with
+ * p's ids, experts and pairs. */
+mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *counts, int32_t *cursor,
+                                  int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
+                                  cudaStream_t stream);
+
 /* moe_scale_input.cu: x_scaled[t] = x[t] * topk_weights[t, 0], both rounded to dtype. */
 mx_status mx_cuda_moe_scale_input(const void *x, const float *topk_weights, int64_t tokens, int64_t hidden,
                                   int top_k, mx_dtype dtype, void *x_scaled, cudaStream_t stream);

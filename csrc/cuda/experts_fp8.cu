@@ -9,15 +9,18 @@
  * topk_weights f32 [M, k], topk_ids i32 [M, k], expert_map -> out [M, H].
  *
  * Launches, in stream order (no host synchronization, no allocation):
+ *   0. route_kernel             only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel         pairs -> expert segments padded to block_m, tile table
+ *                               (route_align_kernel: routing and this in one launch, M <= 32)
  *   2. moe_scale_input_kernel   only with apply_router_weight_on_input
  *   3. x -> x_q                 TENSOR: rows_amax_kernel (block maxima over the
  *                               rows of tokens with a local expert; also zeroes
  *                               act_amax) + rows_quant_tensor_kernel;
  *                               BLOCK: group_quant_kernel (x_scale [M, H/128])
  *   4. GEMM1 (fp8)              act = act(x_q[token] @ w13[e].T * scales + b13),
- *                               (Hopper wgmma configs: x_q rows gathered into
- *                               sorted order first, grouped_gemm_fp8_sm90.cu)
+ *                               (Hopper persistent configs: x_q rows gathered
+ *                               into sorted order first, grouped_gemm_fp8_sm90.cu;
+ *                               the decode kernel reads x_q rows by token)
  *                               rounded to the act dtype; TENSOR: atomic amax of act
  *   5. act -> act_q             TENSOR: rows_quant_tensor_kernel with the scale
  *                               from act_amax; BLOCK: group_quant_kernel
@@ -39,7 +42,7 @@
  *   sorted_ids       int32 [rows_max]
  *   x_scaled         act [M, H]                   only with apply_router_weight_on_input
  *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16
- *   x_q_sorted       fp8 [rows_max, H]            SM90 configs: GEMM1's gathered A
+ *   x_q_sorted       fp8 [rows_max, H]            persistent SM90 configs: GEMM1's gathered A
  *   x_scale          f32 [M, H/128]               BLOCK
  *   act              act [rows_max, ld_act]       ld_act = I rounded up to 8
  *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
@@ -100,7 +103,8 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
     plan->off_x_q = mx_ws_take(&at, static_cast<size_t>(M * plan->ld_xq));
-    plan->off_x_q_sorted = mx_ws_take(&at, mx_fp8_tile_is_sm90(tile_config) ? static_cast<size_t>(plan->rows_max * H) : 0);
+    const bool persistent_sm90 = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
+    plan->off_x_q_sorted = mx_ws_take(&at, persistent_sm90 ? static_cast<size_t>(plan->rows_max * H) : 0);
     plan->off_x_scale = mx_ws_take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
     plan->off_act_q = mx_ws_take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
@@ -170,9 +174,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *act_scale = reinterpret_cast<float *>(ws + plan.off_act_scale);
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
 
-    mx_status st = mx_cuda_moe_align(p->topk_ids, p->expert_map, plan.pairs, p->global_num_experts,
-                                     p->num_local_experts, plan.block_m, counts, cursor, sorted_ids, tile_expert,
-                                     num_tiles, stream);
+    mx_status st = mx_cuda_route_and_align(p, plan.block_m, counts, cursor, sorted_ids, tile_expert, num_tiles,
+                                           stream);
     if (st.code != MX_OK)
         return st;
 

@@ -182,12 +182,14 @@ mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_gemm_kind kind,
 /* grouped_gemm_fp8_sm90.cu: the expert kinds on Hopper's FP8 wgmma (call
  * only where mx_cuda_sm90_gemm_available()); tile_config one of the SM90
  * configs (gemm_configs_fp8.cuh), tile tables with its block_m, split-K
- * (GEMM2) only with MX_FP8_TILE_SM90_DECODE, act dtype bfloat16 / float16;
- * LINEAR (no tile table, g->rows rows, m_tiles = ceil(rows / block_m)) only
- * with the decode configs. TMA preconditions: k and lda multiples of 16, a, w and (GEMM1
- * kinds) a_gathered 16-byte aligned; block scales with GATE_UP need
- * out_cols % 64 == 0. GEMM1 kinds first gather the rows of g->a by token
- * into a_gathered (m_tiles * 128 rows of k bytes). */
+ * (GEMM2) only with the 16- / 32-token decode configs, act dtype bfloat16 /
+ * float16; LINEAR (no tile table, g->rows rows, m_tiles = ceil(rows /
+ * block_m)) only with the decode configs. TMA preconditions: k and lda
+ * multiples of 16, a and w 16-byte aligned; block scales with GATE_UP need
+ * out_cols % 64 == 0. With the persistent configs GEMM1 kinds first gather
+ * the rows of g->a by token into a_gathered (m_tiles * 128 rows of k bytes,
+ * 16-byte aligned); the decode configs read them in place (a_gathered
+ * unused). */
 mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *g, mx_gemm_kind kind, mx_quant quant,
                                         int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
                                         cudaStream_t stream);

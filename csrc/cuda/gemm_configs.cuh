@@ -124,6 +124,8 @@ struct mx_sm90_decode_shape {
 /* 16 tokens, 6 stages of 18 KB (110 KB): 2 CTAs per SM keep up to 12 k
  * blocks (192 KB of weights) in flight per SM. */
 typedef mx_sm90_decode_shape<16, 6> mx_tile_sm90_decode;
+/* 32 tokens, 5 stages of 20 KB (101 KB), 2 CTAs per SM. */
+typedef mx_sm90_decode_shape<32, 5> mx_tile_sm90_decode32;
 /* 64 tokens, 4 stages of 24 KB (97 KB), 2 CTAs per SM. */
 typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
 
@@ -133,13 +135,14 @@ enum mx_tile_config {
     MX_TILE_LARGE = 2,
     MX_TILE_SM90 = 3,        /* Hopper wgmma path; its mma.sync fallback is MX_TILE_LARGE (same block_m) */
     MX_TILE_SM90_PAIR = 4,   /* the same with 2-CTA clusters and weight multicast; same fallback */
-    MX_TILE_SM90_DECODE = 5, /* Hopper decode kernel, 16-token tiles; fallback MX_TILE_DECODE */
-    MX_TILE_SM90_MID = 6,    /* Hopper decode kernel, 64-token tiles; fallback MX_TILE_MID */
+    MX_TILE_SM90_DECODE = 5,   /* Hopper decode kernel, 16-token tiles */
+    MX_TILE_SM90_MID = 6,      /* Hopper decode kernel, 64-token tiles */
+    MX_TILE_SM90_DECODE32 = 7, /* Hopper decode kernel, 32-token tiles */
 };
 
 static inline int mx_tile_is_sm90_decode(int config)
 {
-    return config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_MID;
+    return config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_DECODE32 || config == MX_TILE_SM90_MID;
 }
 
 static inline int mx_tile_is_sm90(int config)
@@ -147,23 +150,14 @@ static inline int mx_tile_is_sm90(int config)
     return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR || mx_tile_is_sm90_decode(config);
 }
 
-/* The mma.sync config with the same block_m, run when an operand does not
- * allow TMA. */
-static inline int mx_tile_fallback(int config)
-{
-    return config == MX_TILE_SM90_DECODE ? MX_TILE_DECODE
-         : config == MX_TILE_SM90_MID    ? MX_TILE_MID
-         : mx_tile_is_sm90(config)       ? MX_TILE_LARGE
-                                         : config;
-}
-
 /* The SIMT float32 path's tile rows (grouped_gemm_f32.cu). */
 #define MX_F32_BLOCK_M 16
 
 static inline int mx_tile_block_m(int config)
 {
-    return config == MX_TILE_SM90_DECODE ? mx_tile_sm90_decode::kBlockT
-         : config == MX_TILE_SM90_MID    ? mx_tile_sm90_mid::kBlockT
+    return config == MX_TILE_SM90_DECODE   ? mx_tile_sm90_decode::kBlockT
+         : config == MX_TILE_SM90_DECODE32 ? mx_tile_sm90_decode32::kBlockT
+         : config == MX_TILE_SM90_MID      ? mx_tile_sm90_mid::kBlockT
          : mx_tile_is_sm90(config)       ? kSm90BlockM
          : config == MX_TILE_LARGE ? mx_tile_large::kBlockM
          : config == MX_TILE_MID   ? mx_tile_mid::kBlockM
@@ -190,9 +184,14 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
 }
 
 /* Below kSm90MinRowsPerExpert rows per expert the Hopper path runs the
- * decode kernel (operands swapped: weight rows are wgmma's m): 16-token
- * tiles under 32 expected rows per expert, else 64-token tiles (the
- * mma.sync rule's thresholds). Against the mma.sync decode / mid tiles it
+ * decode kernel (operands swapped: weight rows are wgmma's m). The tile
+ * should hold the fullest expert's rows, not the mean: with uniform routing
+ * an expert's count spreads about sqrt(mean) around it, so at 16 rows per
+ * expert (Mixtral M = 64) many experts took two 16-token tiles and the
+ * layer streamed at 3.5 TB/s against 4.2 at M = 32 (c627e2a). So: under 8
+ * expected rows per expert 16-token tiles, under 24 32-token tiles, else
+ * 64-token tiles. (Before: 16 under 32 rows, else 64: the mma.sync rule's
+ * thresholds.) Against the mma.sync decode / mid tiles it
  * replaced (bf16, H200, full grid fa9c6f5 against a01c967): 0.99-1.15x at
  * M = 8..1024 except Mixtral M = 64 (0.84x, two 16-token tiles per expert,
  * since helped by the grid order of grouped_gemm_sm90_decode.cuh) and M = 1
@@ -201,7 +200,9 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
  * the 16-bit and the FP8 rules. */
 static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_experts)
 {
-    return rows < 32 * local_experts ? MX_TILE_SM90_DECODE : MX_TILE_SM90_MID;
+    return rows < 8 * local_experts    ? MX_TILE_SM90_DECODE
+         : rows < 24 * local_experts ? MX_TILE_SM90_DECODE32
+                                     : MX_TILE_SM90_MID;
 }
 
 /* Split-K of GEMM2 in the Hopper decode kernel: slices while the
@@ -260,7 +261,7 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
 static inline int mx_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
                                         int64_t *split_len)
 {
-    if (config == MX_TILE_SM90_DECODE)
+    if (config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_DECODE32)
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 2, split_len);
     const int64_t k_tiles = (inter + 63) / 64;
     int64_t splits = 1;

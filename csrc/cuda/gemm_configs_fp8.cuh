@@ -83,9 +83,10 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_SM90 = 3,
     MX_FP8_TILE_SM90_PAIR = 4,
     /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh), the 16-bit
-     * configs of the same number: 16- / 64-token tiles */
+     * configs of the same number: 16- / 32- / 64-token tiles */
     MX_FP8_TILE_SM90_DECODE = MX_TILE_SM90_DECODE,
     MX_FP8_TILE_SM90_MID = MX_TILE_SM90_MID,
+    MX_FP8_TILE_SM90_DECODE32 = MX_TILE_SM90_DECODE32,
 };
 
 static inline int mx_fp8_tile_is_sm90(int config)
@@ -128,7 +129,7 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * HMMAs there). TMA needs 16-byte rows (H, I multiples of 16); with block
  * scales each 64-row weight box of the gated GEMM1 must lie in one 128-row
  * scale block (I a multiple of 64). Below kFp8Sm90MinRowsPerExpert rows per
- * expert the decode kernel (operands swapped, 16- or 64-token tiles,
+ * expert the decode kernel (operands swapped, 16-, 32- or 64-token tiles,
  * mx_select_sm90_decode_config); from kFp8Sm90PairMinRowsPerExpert the
  * per-tensor path takes CTA pairs (the 16-bit rule's thresholds, to be
  * tuned on FP8 data). Returns an SM90 config or -1. */
@@ -155,7 +156,7 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
 static inline int mx_fp8_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
                                             int64_t *split_len)
 {
-    if (config == MX_FP8_TILE_SM90_DECODE)
+    if (config == MX_FP8_TILE_SM90_DECODE || config == MX_FP8_TILE_SM90_DECODE32)
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 1, split_len);
     const int64_t k_tiles = (inter + 127) / 128;
     int64_t splits = 1;

@@ -43,7 +43,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
     if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
-        (kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR && !mx_aligned16(a_gathered)) ||
+        (kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR && !decode && !mx_aligned16(a_gathered)) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
     mx_gemm_args g;
@@ -79,7 +79,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     sc.amax = f->amax;
     if (decode)
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
-                                                a_gathered, m_tiles, stream);
+                                                m_tiles, stream);
     if (f->out_dtype == MX_BF16)
         return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, local_experts, a_gathered, m_tiles,
                                                  stream);

@@ -45,19 +45,17 @@ mx_status mx_cuda_grouped_gemm_fp16_sm90(const mx_gemm_args *g, mx_gemm_kind kin
                                          cudaStream_t stream);
 
 /* grouped_gemm_sm90_decode.cu: the decode kernel (few rows per expert,
- * operands swapped) for tile_config MX_TILE_SM90_DECODE / _MID, tile tables
- * with that config's block_m. quant MX_QUANT_NONE: 16-bit operands in
- * act_dtype (bf16 / fp16), sc may be NULL; FP8 quants: e4m3 operands, act
- * dtype bf16 / fp16 for outputs and biases, sc the scales. Split-K (GEMM2
- * only) from g->k_splits / k_split_len (whole 128-byte k blocks, exact
- * count). TMA preconditions as for the kernels above (16-byte rows and
- * bases; block scales with GATE_UP need out_cols % 64 == 0). GEMM1 kinds
- * first gather g->a by token into a_gathered (m_tiles * block_m rows of k
- * elements). */
+ * operands swapped) for the decode tile configs (mx_tile_is_sm90_decode),
+ * tile tables with that config's block_m. quant MX_QUANT_NONE: 16-bit
+ * operands in act_dtype (bf16 / fp16), sc may be NULL; FP8 quants: e4m3
+ * operands, act dtype bf16 / fp16 for outputs and biases, sc the scales.
+ * Split-K (GEMM2 only) from g->k_splits / k_split_len (whole 128-byte k
+ * blocks, exact count). TMA preconditions as for the kernels above (16-byte
+ * rows and bases; block scales with GATE_UP need out_cols % 64 == 0). GEMM1
+ * kinds read g->a by token (row sorted_ids[s] / top_k); no gather scratch. */
 mx_status mx_cuda_grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales *sc, mx_gemm_kind kind,
                                            mx_dtype act_dtype, mx_quant quant, int tile_config,
-                                           int64_t local_experts, void *a_gathered, int64_t m_tiles,
-                                           cudaStream_t stream);
+                                           int64_t local_experts, int64_t m_tiles, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -1,37 +1,38 @@
 /* Instantiations of the Hopper decode kernel (grouped_gemm_sm90_decode.cuh):
  * bfloat16 and float16 operands, and float8_e4m3 operands with per-tensor or
- * 128x128 block scales and a bfloat16 / float16 act dtype; 16- and 64-token
- * tiles; four kinds each. */
+ * 128x128 block scales and a bfloat16 / float16 act dtype; 16-, 32- and
+ * 64-token tiles; four kinds each. */
 #include "grouped_gemm_sm90_decode.cuh"
 
 namespace {
 
 template <typename TA, typename T, int QUANT>
 mx_status decode_for_types(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, int tile_config,
-                           int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
+                           int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (tile_config == MX_TILE_SM90_MID)
-        return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_mid, QUANT>(g, sc, kind, local_experts, a_gathered,
-                                                                         m_tiles, stream);
-    return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode, QUANT>(g, sc, kind, local_experts, a_gathered,
-                                                                        m_tiles, stream);
+        return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_mid, QUANT>(g, sc, kind, local_experts, m_tiles, stream);
+    if (tile_config == MX_TILE_SM90_DECODE32)
+        return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode32, QUANT>(g, sc, kind, local_experts, m_tiles,
+                                                                              stream);
+    return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode, QUANT>(g, sc, kind, local_experts, m_tiles, stream);
 }
 
 template <typename T>
 mx_status decode_for_act(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
-                         int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
+                         int tile_config, int64_t local_experts, int64_t m_tiles,
                          cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 E4M3;
     switch (quant) {
     case MX_QUANT_NONE:
-        return decode_for_types<T, T, MX_QUANT_NONE>(g, sc, kind, tile_config, local_experts, a_gathered, m_tiles,
+        return decode_for_types<T, T, MX_QUANT_NONE>(g, sc, kind, tile_config, local_experts, m_tiles,
                                                      stream);
     case MX_QUANT_FP8_TENSOR:
-        return decode_for_types<E4M3, T, MX_QUANT_FP8_TENSOR>(g, sc, kind, tile_config, local_experts, a_gathered,
+        return decode_for_types<E4M3, T, MX_QUANT_FP8_TENSOR>(g, sc, kind, tile_config, local_experts,
                                                               m_tiles, stream);
     case MX_QUANT_FP8_BLOCK:
-        return decode_for_types<E4M3, T, MX_QUANT_FP8_BLOCK>(g, sc, kind, tile_config, local_experts, a_gathered,
+        return decode_for_types<E4M3, T, MX_QUANT_FP8_BLOCK>(g, sc, kind, tile_config, local_experts,
                                                              m_tiles, stream);
     default: break;
     }
@@ -42,8 +43,7 @@ mx_status decode_for_act(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gem
 
 extern "C" mx_status mx_cuda_grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales *sc,
                                                       mx_gemm_kind kind, mx_dtype act_dtype, mx_quant quant,
-                                                      int tile_config, int64_t local_experts, void *a_gathered,
-                                                      int64_t m_tiles, cudaStream_t stream)
+                                                      int tile_config, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (!mx_tile_is_sm90_decode(tile_config))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: tile config %d is not a decode config",
@@ -54,10 +54,10 @@ extern "C" mx_status mx_cuda_grouped_gemm_sm90_decode(const mx_gemm_args *g, con
     if (quant != MX_QUANT_NONE && (!scales.a_scale || !scales.w_scale))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: FP8 operands need their scales");
     if (act_dtype == MX_BF16)
-        return decode_for_act<__nv_bfloat16>(g, scales, kind, quant, tile_config, local_experts, a_gathered, m_tiles,
+        return decode_for_act<__nv_bfloat16>(g, scales, kind, quant, tile_config, local_experts, m_tiles,
                                              stream);
     if (act_dtype == MX_F16)
-        return decode_for_act<__half>(g, scales, kind, quant, tile_config, local_experts, a_gathered, m_tiles,
+        return decode_for_act<__half>(g, scales, kind, quant, tile_config, local_experts, m_tiles,
                                       stream);
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: act dtype %s not compiled",
                           mx_dtype_name(act_dtype));

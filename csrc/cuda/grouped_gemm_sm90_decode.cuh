@@ -8,8 +8,10 @@
  * Operands, K contiguous, read by TMA into 128B-swizzled slots as in
  * grouped_gemm_sm90_impl.cuh (128 bytes of K per stage; the same byte
  * offsets for 16-bit and fp8 elements):
- *   A  [rows, K] by sorted row s: GEMM1 the gathered x rows
- *      (sm90_gather_rows_kernel), GEMM2 act. Box 128 B x kBlockT rows.
+ *   A  [rows, K] by sorted row s: GEMM2 act by TMA, box 128 B x kBlockT
+ *      rows; GEMM1 the x rows of the tile's tokens, copied by warp 0 with
+ *      cp.async straight into the swizzled slot (no gather pass: one launch
+ *      less per forward).
  *   W  [E_local, n_rows, K], box 128 B x 64 rows x 1. Box 0 / box 1 of a
  *      tile: gate / up rows of the same 64 output columns (GATE_UP), else
  *      128 consecutive rows (interleaved gate/up pairs for swigluoai).
@@ -22,15 +24,18 @@
  * scattered the weight stream over experts: up to 29% slower elsewhere;
  * m tiles slowest re-read two-tile experts from DRAM. H200, 2026-11-22.)
  * Kind MX_GEMM_LINEAR (dense FP8 layer, fp8_linear.cu): identity rows
- * (no tile table, g.rows rows, one "expert"), out = acc * scale + bias in T. Thread 0 keeps kStages k
- * blocks of loads in flight: it refills a slot once every warp's wgmmas on
- * it have retired (wait_group 0, then a CTA barrier), so the weight stream
- * never stops while the math, a few hundred cycles per 16 KB k block, waits.
- * FP8: wgmma's own FP8 accumulation keeps too few bits (without promotion a
- * test of 144 tokens erred 0.025 against the 2e-2 bound, 0.0023 with it), so
- * every k step's products (32 fp8 columns) land in part and are added in
- * float32; with block scales as acc += part * sa[token, kb] * sw[box, kb]
- * (a k block is one 128-wide scale block).
+ * (no tile table, g.rows rows, one "expert"), out = acc * scale + bias in T.
+ * Thread 0 (with warp 0 for GEMM1's cp.async rows) keeps kStages k blocks of
+ * loads in flight: it refills a slot once every warp's wgmmas on it have
+ * retired (wait_group 0, then a CTA barrier), so the weight stream never
+ * stops while the math, a few hundred cycles per 16 KB k block, waits.
+ * FP8: wgmma's own FP8 accumulation keeps too few bits over a whole K
+ * (without promotion a test of 144 tokens erred 0.025 against the 2e-2
+ * bound), so each k block's products (128 fp8 columns, 4 chained k steps:
+ * the persistent kernel's interval) land in part and are added in float32;
+ * with block scales as acc += part * sa[token, kb] * sw[box, kb] (a k block
+ * is one 128-wide scale block). (Promoting every k step, 32 columns, as
+ * before: 0.0023 on that test, but four wgmma round trips per k block.)
  * Epilogue: the accumulators go through shared memory (the drained ring) as
  * a [128 weight rows][kBlockT tokens] float tile, then the threads walk the
  * outputs column-fastest: GEMM1 kinds apply scale, bias and activation and
@@ -71,6 +76,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
+    constexpr bool kRowsFromX = !kLinear && KIND != MX_GEMM_DOWN; /* GEMM1: A rows read by token from g.a */
+    constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
 
     const int splits = g.k_splits;
     const int per_mt = kDecodeGroupN * splits; /* CTAs of one m tile in one chunk */
@@ -96,11 +103,12 @@ __global__ void __launch_bounds__(Shape::kThreads)
     float *dtile = reinterpret_cast<float *>(sm90_decode_smem + (base - raw)); /* epilogue, over the drained ring */
     __shared__ int32_t tile_pair[BT];
     __shared__ float tile_weight[BT];
+    __shared__ const unsigned char *tile_row[BT]; /* GEMM1: the token's x row, nullptr for padding */
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, q = lane % 4;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s)
-            mbar_init(full_bar(s), 1);
+            mbar_init(full_bar(s), kRowsFromX ? 1 + kLoaders : 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
@@ -108,20 +116,49 @@ __global__ void __launch_bounds__(Shape::kThreads)
         const int32_t pair = !kLinear ? g.sorted_ids[a_row + tid] : a_row + tid < g.rows ? static_cast<int32_t>(a_row + tid) : -1;
         tile_pair[tid] = pair;
         tile_weight[tid] = KIND == MX_GEMM_DOWN && g.scale_by_weight && pair >= 0 ? g.topk_weights[pair] : 1.0f;
+        if (kRowsFromX)
+            tile_row[tid] = pair < 0 ? nullptr
+                                     : static_cast<const unsigned char *>(g.a) +
+                                           static_cast<int64_t>(pair / g.top_k) * g.lda * static_cast<int64_t>(sizeof(TA));
     }
     __syncthreads();
 
+    /* One stage: the two weight boxes by TMA; the A rows by TMA (GEMM2,
+     * LINEAR) or, for GEMM1, by cp.async from the token rows of x into the
+     * same 128B-swizzled layout (16-byte chunk c of row r at r * 128 +
+     * (c ^ r % 8) * 16; chunks past K and padding rows zero-filled), each
+     * lane of warp 0 arriving on the stage's barrier when its copies land.
+     * Called by the kLoaders threads. */
+    const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
     auto issue = [&](int kb) {
         const int s = (kb - kb0) % STAGES;
         const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
-        mbar_arrive_expect_tx(full_bar(s), STAGE_BYTES);
-        tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
-        tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
-        tma_load_2d(dst + W_BYTES, &tma_a, full_bar(s), kb * BK, static_cast<int>(a_row));
+        if (tid == 0) {
+            mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? W_BYTES : STAGE_BYTES);
+            tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
+            tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+            if (!kRowsFromX)
+                tma_load_2d(dst + W_BYTES, &tma_a, full_bar(s), kb * BK, static_cast<int>(a_row));
+        }
+        if (kRowsFromX) {
+            const int chunk = lane % 8;
+            const int64_t at = static_cast<int64_t>(kb) * 128 + chunk * 16;
+#pragma unroll
+            for (int r = lane / 8; r < BT; r += 4) {
+                const unsigned char *row = tile_row[r];
+                const bool live = row != nullptr && at < k_bytes;
+                cp_async16_zfill(dst + W_BYTES + static_cast<uint32_t>(r * 128 + ((chunk ^ (r % 8)) * 16)),
+                                 live ? row + at : static_cast<const unsigned char *>(g.a), live ? 16 : 0);
+            }
+            mbar_arrive_cp_async(full_bar(s));
+        }
     };
-    if (tid == 0) {
-        tma_prefetch_map(&tma_a);
-        tma_prefetch_map(&tma_w);
+    if (tid < kLoaders) {
+        if (tid == 0) {
+            if (!kRowsFromX)
+                tma_prefetch_map(&tma_a);
+            tma_prefetch_map(&tma_w);
+        }
         for (int kb = kb0; kb < kb1 && kb < kb0 + STAGES; ++kb)
             issue(kb);
     }
@@ -152,10 +189,13 @@ __global__ void __launch_bounds__(Shape::kThreads)
     for (int kb = kb0; kb < kb1; ++kb) {
         const int i = kb - kb0, s = i % STAGES;
         mbar_wait(full_bar(s), static_cast<uint32_t>(i / STAGES) & 1u);
+        if (kRowsFromX)
+            fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
         const uint32_t w_src = base + static_cast<uint32_t>(s) * STAGE_BYTES, a_src = w_src + W_BYTES;
         if constexpr (QUANT != MX_QUANT_NONE) {
-            /* FP8: each k step's products land in part and are added in float32:
-             * the tensor cores' own FP8 accumulation keeps too few bits */
+            /* FP8: each k block's products (4 k steps) land in part and are
+             * added in float32: the tensor cores' own FP8 accumulation keeps
+             * too few bits over the whole K */
             float a_s[BT / 4], w0 = 1.0f, w1 = 1.0f;
 #pragma unroll
             for (int j = 0; j < BT / 4; ++j)
@@ -167,24 +207,25 @@ __global__ void __launch_bounds__(Shape::kThreads)
                 w0 = sw0[kb];
                 w1 = sw1[kb];
             }
+            float part0[NACC], part1[NACC];
+            fence_acc(part0);
+            fence_acc(part1);
+            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                float part0[NACC], part1[NACC];
-                fence_acc(part0);
-                fence_acc(part1);
-                wgmma_fence();
-                sm90_wgmma<TA, BT>::run(part0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), 0);
-                sm90_wgmma<TA, BT>::run(part1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32), 0);
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_acc(part0);
-                fence_acc(part1);
+                sm90_wgmma<TA, BT>::run(part0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), kk > 0);
+                sm90_wgmma<TA, BT>::run(part1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32),
+                                        kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_acc(part0);
+            fence_acc(part1);
 #pragma unroll
-                for (int e = 0; e < NACC; ++e) {
-                    const float a = a_s[2 * (e / 4) + (e % 2)];
-                    acc0[e] = fmaf(part0[e], a * w0, acc0[e]);
-                    acc1[e] = fmaf(part1[e], a * w1, acc1[e]);
-                }
+            for (int e = 0; e < NACC; ++e) {
+                const float a = a_s[2 * (e / 4) + (e % 2)];
+                acc0[e] = fmaf(part0[e], a * w0, acc0[e]);
+                acc1[e] = fmaf(part1[e], a * w1, acc1[e]);
             }
         } else {
             fence_acc(acc0);
@@ -201,7 +242,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             fence_acc(acc1);
         }
         __syncthreads(); /* every warp's wgmmas on slot s have retired */
-        if (tid == 0 && kb + STAGES < kb1)
+        if (tid < kLoaders && kb + STAGES < kb1)
             issue(kb + STAGES);
     }
 
@@ -281,11 +322,11 @@ __global__ void __launch_bounds__(Shape::kThreads)
 #endif
 }
 
-/* One GEMM of the decode kernel over A [rows, K] (stride lda elements of
- * TA); the caller checked the TMA preconditions. */
+/* One GEMM of the decode kernel over A = g.a [rows, K] (stride g.lda
+ * elements of TA); the caller checked the TMA preconditions. */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
-mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, const void *a, int64_t lda,
-                             int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
+                             int64_t m_tiles, cudaStream_t stream)
 {
     auto kernel = grouped_gemm_sm90_decode_kernel<TA, T, Shape, KIND, QUANT>;
     constexpr int BK = 128 / static_cast<int>(sizeof(TA));
@@ -314,55 +355,42 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, co
     mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
-    /* A rows: LINEAR the rows of a (TMA zero-fills the last tile); else the workspace's worst case */
+    /* A rows by TMA: LINEAR the rows of a (TMA zero-fills the last tile); DOWN
+     * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
+     * then the weight map again, never read. */
+    const bool rows_from_x = KIND != MX_GEMM_DOWN && KIND != MX_GEMM_LINEAR;
     CUtensorMap map_a, map_w;
-    if (!sm90_operand_maps<TA>(a, lda, KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
-                               Shape::kBlockT, g.w, g.k, g.n_rows, local_experts, 64, &map_a, &map_w, &st))
+    if (!sm90_operand_maps<TA>(rows_from_x ? g.w : g.a, g.lda,
+                               KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT, Shape::kBlockT, g.w, g.k,
+                               g.n_rows, local_experts, 64, &map_a, &map_w, &st))
         return st;
+    if (rows_from_x)
+        map_a = map_w;
     kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(
         map_a, map_w, g, sc, static_cast<int>(m_tiles), static_cast<int>(n_tiles), static_cast<int>(kb_per_split));
     return mx_check_launch(name);
 }
 
-/* The four expert kinds and LINEAR; GEMM1 kinds first gather A's rows (by
- * token) into a_gathered. */
+/* The four expert kinds and LINEAR. */
 template <typename TA, typename T, typename Shape, int QUANT>
 mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
-                                   int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
+                                   int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
         return mx_status_ok();
-    const void *a = g->a;
-    int64_t lda = g->lda;
-    if (kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR) {
-        const int64_t rows = m_tiles * Shape::kBlockT;
-        const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
-        if (blocks > 0x7fffffff)
-            return mx_status_fail(MX_ERR_VALUE, "sm90_gather_rows_kernel: %lld rows exceed the grid", (long long)rows);
-        sm90_gather_rows_kernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
-            static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(TA)) / 16,
-            g->k * static_cast<int64_t>(sizeof(TA)) / 16, g->sorted_ids, g->num_tiles, Shape::kBlockT, g->top_k,
-            static_cast<uint4 *>(a_gathered));
-        mx_status st = mx_check_launch("sm90_gather_rows_kernel");
-        if (st.code != MX_OK)
-            return st;
-        a = a_gathered;
-        lda = g->k;
-    }
     switch (kind) {
     case MX_GEMM_GATE_UP:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, a, lda, local_experts,
-                                                                                    m_tiles, stream);
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts, m_tiles,
+                                                                                    stream);
     case MX_GEMM_UP:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, a, lda, local_experts, m_tiles, stream);
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_LINEAR:
         if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
-            return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, a, lda, local_experts, m_tiles,
-                                                                           stream);
+            return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, local_experts, m_tiles, stream);
         break;
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: unknown kind %d", (int)kind);

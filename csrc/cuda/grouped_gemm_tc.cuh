@@ -276,7 +276,7 @@ mx_status grouped_gemm_tc(const mx_gemm_args *g, mx_gemm_kind kind, int tile_con
     switch (tile_config) {
     case MX_TILE_DECODE: return launch_tc_kind<T, mx_tile_decode>(*g, kind, aligned, m_tiles, stream);
     case MX_TILE_MID: return launch_tc_kind<T, mx_tile_mid>(*g, kind, aligned, m_tiles, stream);
-    case MX_TILE_LARGE: /* also the Hopper plans' fallback (mx_tile_fallback) */
+    case MX_TILE_LARGE:
         return launch_tc_kind<T, mx_tile_large>(*g, kind, aligned, m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_tc: unknown tile config %d", tile_config);

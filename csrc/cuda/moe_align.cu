@@ -1,58 +1,9 @@
-/* Sorting (token, slot) pairs by local expert: the "moe_align" step.
- *
- * Input: topk_ids int32 [M, k] (global ids), expert_map int32 [E_global] or
- * NULL. A pair p = t * k + j is routed to local expert e = expert_map[id]
- * (or id); ids outside [0, E_global) and map entries outside [0, E_local)
- * contribute nothing and are never used as an index.
- *
- * Output (all in the caller's workspace):
- *   sorted_ids  int32 [rows_max]: expert e's pairs occupy rows
- *               [start_e, start_e + count_e), then -1 up to the next multiple
- *               of block_m; experts in increasing order, without gaps.
- *               Within a segment the order follows integer atomics; it does
- *               not change any result bit (GEMM rows are independent).
- *   tile_expert int32 [tiles_max]: the expert of each block_m-row tile.
- *   num_tiles   int32 [1]: tiles in use. Rows and tiles past it are untouched;
- *               the GEMM grids are sized from the worst case and read it.
- *
- * One block of 1024 threads does everything in three phases separated by
- * __syncthreads (count, prefix sum over the padded counts, scatter), so no
- * memset and no second launch is needed. Counters live in shared memory when
- * 2 * E_local ints fit in 48 KB, else in the workspace (counts, cursor); the
- * kernel zeroes them itself. The single block reads topk_ids twice: a few
- * microseconds up to ~10^5 pairs. */
-#include "common.cuh"
+/* The moe_align step as its own launch (one block; moe_align.cuh describes
+ * the method and its outputs). */
 #include "experts.cuh"
+#include "moe_align.cuh"
 
 namespace {
-
-constexpr int kAlignThreads = 1024;
-constexpr int kAlignSharedBytes = 48 * 1024;
-
-/* Inclusive prefix sum over the block; all threads get their own value. */
-__device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int off = 1; off < 32; off <<= 1) {
-        int o = __shfl_up_sync(0xffffffffu, v, off);
-        if (lane >= off)
-            v += o;
-    }
-    if (lane == 31)
-        warp_totals[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_totals[lane]; /* kAlignThreads / 32 == 32 warps */
-        for (int off = 1; off < 32; off <<= 1) {
-            int o = __shfl_up_sync(0xffffffffu, w, off);
-            if (lane >= off)
-                w += o;
-        }
-        warp_totals[lane] = w;
-    }
-    __syncthreads();
-    return v + (warp > 0 ? warp_totals[warp - 1] : 0);
-}
 
 __global__ void __launch_bounds__(kAlignThreads)
     moe_align_kernel(const int32_t *__restrict__ topk_ids, const int32_t *__restrict__ expert_map,
@@ -61,56 +12,8 @@ __global__ void __launch_bounds__(kAlignThreads)
                      int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
 {
     extern __shared__ int32_t align_smem[];
-    __shared__ int warp_totals[32];
-    __shared__ int carry;
-    const int tid = threadIdx.x;
-    const int E = static_cast<int>(local_experts);
-    int32_t *counts = use_shared ? align_smem : counts_ws;
-    int32_t *cursor = use_shared ? align_smem + E : cursor_ws;
-
-    for (int e = tid; e < E; e += kAlignThreads)
-        counts[e] = 0;
-    if (tid == 0)
-        carry = 0;
-    __syncthreads();
-
-    /* phase 1: histogram */
-    for (int64_t p = tid; p < pairs; p += kAlignThreads) {
-        int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
-        if (e >= 0)
-            atomicAdd(&counts[e], 1);
-    }
-    __syncthreads();
-
-    /* phase 2: tiles per expert -> tile offsets; cursors, tile table, padding */
-    for (int base = 0; base < E; base += kAlignThreads) {
-        const int e = base + tid;
-        const int count = e < E ? counts[e] : 0;
-        const int tiles = (count + block_m - 1) / block_m;
-        const int incl = block_inclusive_scan(tiles, warp_totals);
-        const int first_tile = carry + incl - tiles;
-        if (e < E) {
-            const int start = first_tile * block_m;
-            cursor[e] = start;
-            for (int i = 0; i < tiles; ++i)
-                tile_expert[first_tile + i] = e;
-            for (int r = start + count; r < start + tiles * block_m; ++r)
-                sorted_ids[r] = -1;
-        }
-        __syncthreads(); /* everyone has read carry and warp_totals */
-        if (tid == kAlignThreads - 1)
-            carry += incl;
-        __syncthreads();
-    }
-    if (tid == 0)
-        *num_tiles = carry;
-
-    /* phase 3: scatter */
-    for (int64_t p = tid; p < pairs; p += kAlignThreads) {
-        int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
-        if (e >= 0)
-            sorted_ids[atomicAdd(&cursor[e], 1)] = static_cast<int32_t>(p);
-    }
+    moe_align_block(topk_ids, expert_map, pairs, global_experts, local_experts, block_m, use_shared, align_smem,
+                    counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
 }
 
 } /* namespace */
@@ -120,9 +23,9 @@ extern "C" mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *e
                                        int32_t *counts, int32_t *cursor, int32_t *sorted_ids,
                                        int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream)
 {
-    const size_t shared = 2 * sizeof(int32_t) * static_cast<size_t>(local_experts);
-    const int use_shared = shared <= kAlignSharedBytes;
-    moe_align_kernel<<<1, kAlignThreads, use_shared ? shared : 0, stream>>>(
+    const int use_shared = moe_align_counters_shared(local_experts);
+    const size_t shared = use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(local_experts) : 0;
+    moe_align_kernel<<<1, kAlignThreads, shared, stream>>>(
         topk_ids, expert_map, pairs, global_experts, local_experts, block_m, use_shared, counts, cursor,
         sorted_ids, tile_expert, num_tiles);
     return mx_check_launch("moe_align_kernel");

@@ -45,6 +45,26 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar)
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 
+/* One arrival once every cp.async this thread issued before has landed
+ * (.noinc: the barrier's expected count includes this arrival). */
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+/* 16-byte global->shared copy (L2 only); src_bytes 0 zero-fills. */
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+/* Orders this thread's generic-proxy view of shared memory (cp.async data
+ * seen through an mbarrier) before its async-proxy reads (wgmma). */
+__device__ __forceinline__ void fence_proxy_async_smem()
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 /* Spin until the phase of parity `parity` has completed. */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
 {

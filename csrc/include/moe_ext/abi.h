@@ -176,6 +176,10 @@ typedef struct mx_experts_problem {
     mx_quant quant;
     const float *w13_scale;      /* TENSOR [E_local]; BLOCK [E_local, ceil(N1/128), ceil(H/128)] */
     const float *w2_scale;       /* TENSOR [E_local]; BLOCK [E_local, ceil(H/128), ceil(I/128)] */
+    /* Routing the engine runs first (its outputs are topk_weights / topk_ids
+     * above, router logits of E_global experts), or NULL when the caller
+     * routed. The CUDA engine fuses it with its sort when M is small. */
+    const mx_routing_problem *routing;
 } mx_experts_problem;
 
 /* FP8 quantizers (numerics.md "FP8"); x in F32/F16/BF16, q float8_e4m3fn bytes,

@@ -1,0 +1,79 @@
+/* The first stage of the expert pipelines: routing (when the engine routes,
+ * mx_experts_problem.routing) and the sort of the (token, slot) pairs by
+ * expert (moe_align.cuh).
+ *
+ * At decode both are tiny and each launch costs more than its work, so up
+ * to kFusedMaxTokens tokens they run as one kernel of one block: warp t
+ * routes token t (route_token.cuh; one token per warp, so routing takes no
+ * longer than in route_kernel), the block synchronizes, and the same block
+ * sorts (moe_align_block, reading the ids just written). Larger M: the two
+ * launches (route_kernel over many blocks, then moe_align_kernel).
+ *
+ * Shared memory of the fused kernel: M x 4 x E floats of routing rows, then
+ * moe_align's 2 x E_local counters when they fit (else in the workspace).
+ * Over 48 KB it opts in once per device (E = 256, M = 32: 130 KB). */
+#include "experts.cuh"
+#include "moe_align.cuh"
+#include "route_token.cuh"
+
+namespace {
+
+constexpr int kFusedMaxTokens = kAlignThreads / 32;
+constexpr size_t kFusedMaxSmem = 160 * 1024;
+
+__global__ void __launch_bounds__(kAlignThreads)
+    route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
+                       int block_m, int use_shared, int32_t *counts_ws, int32_t *cursor_ws,
+                       int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
+                       int32_t *__restrict__ num_tiles)
+{
+    extern __shared__ float route_align_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t rows = 4 * static_cast<size_t>(r.num_experts);
+    if (warp < r.num_tokens)
+        route_token(r, warp, route_align_smem + warp * rows, lane);
+    __syncthreads(); /* the block's topk_ids writes are visible to the whole block */
+    int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
+    moe_align_block(r.topk_ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m,
+                    use_shared, counters, counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
+}
+
+} /* namespace */
+
+extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *counts,
+                                             int32_t *cursor, int32_t *sorted_ids, int32_t *tile_expert,
+                                             int32_t *num_tiles, cudaStream_t stream)
+{
+    const int64_t pairs = p->num_tokens * p->top_k;
+    const mx_routing_problem *r = p->routing;
+    if (!r)
+        return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts,
+                                 block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
+    mx_status st;
+    if (route_check(r, &st))
+        return st;
+    if (r->num_tokens != p->num_tokens || r->top_k != p->top_k || r->num_experts != p->global_num_experts ||
+        r->topk_ids != p->topk_ids || r->topk_weights != p->topk_weights)
+        return mx_status_fail(MX_ERR_VALUE, "route_and_align: the routing problem does not match the experts' "
+                              "(M, top_k, E, outputs)");
+    const int use_shared = moe_align_counters_shared(p->num_local_experts);
+    const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
+                        (use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(p->num_local_experts) : 0);
+    if (r->num_tokens > kFusedMaxTokens || smem > kFusedMaxSmem) {
+        st = mx_cuda_route(r, stream);
+        if (st.code != MX_OK)
+            return st;
+        return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts,
+                                 block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
+    }
+    static std::atomic<unsigned long long> configured{0};
+    if (smem > 48 * 1024) {
+        st = mx_opt_in_smem(route_align_kernel, kFusedMaxSmem, configured, "route_align_kernel");
+        if (st.code != MX_OK)
+            return st;
+    }
+    route_align_kernel<<<1, kAlignThreads, smem, stream>>>(*r, p->expert_map, p->num_local_experts, block_m,
+                                                           use_shared, counts, cursor, sorted_ids, tile_expert,
+                                                           num_tiles);
+    return mx_check_launch("route_align_kernel");
+}

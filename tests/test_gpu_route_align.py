@@ -1,0 +1,58 @@
+"""CUDA engine: routing and the sort by expert run as one kernel up to 32 tokens
+(csrc/cuda/route_align.cu), as route_kernel + moe_align_kernel beyond; same results."""
+import pytest
+import torch
+
+from helpers import kernels_of, randn
+from test_gpu import CONFIGS, check, cuda_case
+
+pytestmark = pytest.mark.gpu
+
+FUSED = "route_align_kernel"
+DEEPSEEK_ROUTING = dict(use_grouped_topk=True, num_expert_group=8, topk_group=4,
+                        scoring_func="sigmoid", routed_scaling_factor=2.5, top_k=8)
+
+
+def launches(layer, x, logits):
+    """(fused kernel ran, separate route and align kernels ran)."""
+    names = kernels_of(lambda: layer(x, logits))
+    fused = any(FUSED in n for n in names)
+    separate = any("route_kernel" in n for n in names) and any("moe_align_kernel" in n for n in names)
+    return fused, separate
+
+
+@pytest.mark.parametrize("m", [1, 5, 32, 33, 80])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_routing_fused_with_sort_up_to_32_tokens(cfg, m, gen):
+    _, e, k, kw, corr = cfg
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=96, i=64)
+    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+    assert launches(layer, x, logits) == (m <= 32, m > 32)
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_fused_routing_with_256_experts(m, gen):
+    """DeepSeek-V3's routing (E = 256, k = 8, groups, bias): 32 tokens take 130 KB of shared
+    memory, over the 48 KB default (the kernel opts in)."""
+    layer, _, reference = cuda_case(gen, torch.bfloat16, 256, DEEPSEEK_ROUTING, True, h=64, i=32)
+    x = randn(gen, m, 64, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, 256, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+    assert launches(layer, x, logits) == (True, False)
+
+
+def test_routing_outputs_match_standalone_route(gen):
+    """The experts' routing is the one select_experts returns: forward_routed with those ids and
+    weights gives the same bits as the fused forward."""
+    layer, _, _ = cuda_case(gen, torch.bfloat16, 256, DEEPSEEK_ROUTING, True, h=64, i=32)
+    x = randn(gen, 24, 64, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, 24, 256, device="cuda", scale=2.0)
+    weights, ids = layer.select_experts(
+        x, logits, 8, True, layer.renormalize, topk_group=4, num_expert_group=8,
+        scoring_func="sigmoid", routed_scaling_factor=2.5,
+        e_score_correction_bias=layer.e_score_correction_bias)
+    assert torch.equal(layer(x, logits), layer.forward_routed(x, weights, ids))
