@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
+#include <utility>
 
 #include "moe_ext/abi.h"
 
@@ -106,6 +108,49 @@ mx_status mx_launch_tile_grid(Kernel kernel, Args g, int64_t m_tiles, int64_t n_
             return st;
     }
     return mx_status_ok();
+}
+
+/* ---- programmatic dependent launch (sm_90) ----------------------------------
+ * A kernel launched by mx_launch_dependent may start while the kernel before
+ * it in the stream still runs (its prologue, and any loads that do not depend
+ * on that kernel, overlap the other's tail). Rules every such kernel keeps:
+ * mx_griddep_wait() before it reads anything the previous kernel writes or
+ * writes anything that kernel reads; mx_griddep_launch_dependents() only after
+ * its own wait. So when a kernel starts, every kernel before the previous one
+ * has completed, and it may read their outputs before waiting. Both calls are
+ * no-ops in a kernel launched plainly, and below sm_90. */
+__device__ __forceinline__ void mx_griddep_wait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mx_griddep_launch_dependents()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/* Launches kernel(args...) with programmatic stream serialization (callers
+ * use it on Hopper only: mx_cuda_sm90_gemm_available()). */
+template <typename... Params, typename... Args>
+cudaError_t mx_launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                Args &&...args)
+{
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 /* A kernel's name for its error messages, formatted once: launchers keep it

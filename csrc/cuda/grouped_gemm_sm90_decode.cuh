@@ -78,6 +78,14 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
     constexpr bool kRowsFromX = !kLinear && KIND != MX_GEMM_DOWN; /* GEMM1: A rows read by token from g.a */
     constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
+    /* launched dependent (common.cuh): GEMM2 and LINEAR know their weight
+     * tiles before the previous kernel ends (the tile table is older), GEMM1
+     * reads the tile table the previous kernel (moe_align) writes */
+    constexpr bool kWeightsBeforeWait = !kRowsFromX;
+    if (!kWeightsBeforeWait) {
+        mx_griddep_wait();
+        mx_griddep_launch_dependents();
+    }
 
     const int splits = g.k_splits;
     const int per_mt = kDecodeGroupN * splits; /* CTAs of one m tile in one chunk */
@@ -86,7 +94,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     const int nt = chunk * kDecodeGroupN + (in_chunk % per_mt) / splits;
     const int split = in_chunk % splits;
     if (nt >= n_tiles || (!kLinear && mt >= *g.num_tiles))
-        return; /* the grid covers the worst case and whole chunks */
+        return; /* the grid covers the worst case and whole chunks (an early exit writes nothing) */
     const int expert = kLinear ? 0 : g.tile_expert[mt];
     const int k_blocks = static_cast<int>((g.k + BK - 1) / BK);
     const int kb0 = split * kb_per_split;
@@ -123,24 +131,28 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
     __syncthreads();
 
-    /* One stage: the two weight boxes by TMA; the A rows by TMA (GEMM2,
+    /* One stage: the two weight boxes by TMA (issue_w, thread 0: it also
+     * announces the stage's bytes); the A rows (issue_a) by TMA (GEMM2,
      * LINEAR) or, for GEMM1, by cp.async from the token rows of x into the
      * same 128B-swizzled layout (16-byte chunk c of row r at r * 128 +
      * (c ^ r % 8) * 16; chunks past K and padding rows zero-filled), each
      * lane of warp 0 arriving on the stage's barrier when its copies land.
-     * Called by the kLoaders threads. */
+     * issue_a is called by the kLoaders threads. */
     const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
-    auto issue = [&](int kb) {
-        const int s = (kb - kb0) % STAGES;
+    auto slot = [&](int kb) { return (kb - kb0) % STAGES; };
+    auto issue_w = [&](int kb) {
+        const int s = slot(kb);
         const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
-        if (tid == 0) {
-            mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? W_BYTES : STAGE_BYTES);
-            tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
-            tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
-            if (!kRowsFromX)
-                tma_load_2d(dst + W_BYTES, &tma_a, full_bar(s), kb * BK, static_cast<int>(a_row));
-        }
-        if (kRowsFromX) {
+        mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? W_BYTES : STAGE_BYTES);
+        tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
+        tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+    };
+    auto issue_a = [&](int kb) {
+        const int s = slot(kb);
+        const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
+        if (!kRowsFromX) {
+            tma_load_2d(dst + W_BYTES, &tma_a, full_bar(s), kb * BK, static_cast<int>(a_row));
+        } else {
             const int chunk = lane % 8;
             const int64_t at = static_cast<int64_t>(kb) * 128 + chunk * 16;
 #pragma unroll
@@ -153,15 +165,21 @@ __global__ void __launch_bounds__(Shape::kThreads)
             mbar_arrive_cp_async(full_bar(s));
         }
     };
-    if (tid < kLoaders) {
-        if (tid == 0) {
-            if (!kRowsFromX)
-                tma_prefetch_map(&tma_a);
-            tma_prefetch_map(&tma_w);
-        }
-        for (int kb = kb0; kb < kb1 && kb < kb0 + STAGES; ++kb)
-            issue(kb);
+    const int first_end = kb1 < kb0 + STAGES ? kb1 : kb0 + STAGES;
+    if (tid == 0) {
+        if (!kRowsFromX)
+            tma_prefetch_map(&tma_a);
+        tma_prefetch_map(&tma_w);
+        for (int kb = kb0; kb < first_end; ++kb)
+            issue_w(kb);
     }
+    if (kWeightsBeforeWait) { /* A comes from the previous kernel */
+        mx_griddep_wait();
+        mx_griddep_launch_dependents();
+    }
+    if (tid < kLoaders)
+        for (int kb = kb0; kb < first_end; ++kb)
+            issue_a(kb);
 
     float acc0[NACC], acc1[NACC]; /* weight rows of box 0 / box 1 */
 #pragma unroll
@@ -242,8 +260,11 @@ __global__ void __launch_bounds__(Shape::kThreads)
             fence_acc(acc1);
         }
         __syncthreads(); /* every warp's wgmmas on slot s have retired */
-        if (tid < kLoaders && kb + STAGES < kb1)
-            issue(kb + STAGES);
+        if (tid < kLoaders && kb + STAGES < kb1) {
+            if (tid == 0)
+                issue_w(kb + STAGES);
+            issue_a(kb + STAGES);
+        }
     }
 
     /* epilogue: every issued load was waited for, so the ring is free */
@@ -366,9 +387,10 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
         return st;
     if (rows_from_x)
         map_a = map_w;
-    kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(
-        map_a, map_w, g, sc, static_cast<int>(m_tiles), static_cast<int>(n_tiles), static_cast<int>(kb_per_split));
-    return mx_check_launch(name);
+    return mx_check_call(mx_launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(Shape::kThreads),
+                                             Shape::kSmemBytes, stream, map_a, map_w, g, sc, static_cast<int>(m_tiles),
+                                             static_cast<int>(n_tiles), static_cast<int>(kb_per_split)),
+                         name);
 }
 
 /* The four expert kinds and LINEAR. */

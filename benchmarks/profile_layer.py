@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Where one forward's GPU time goes: per-kernel times (torch.profiler, CUPTI) of
+moe_ext.FusedMoE on points of the perf grid, next to the CUDA-graph time of the whole forward
+(bench_moe.py's method, the same layer copies rotated so weights come from DRAM).
+
+    python3 benchmarks/profile_layer.py qwen3moe/bf16/1 mixtral/fp8_tensor/64
+
+Prints, per point: graph us, the sum of kernel us (the rest is launch gaps), and each kernel's
+mean us per forward. Writes the same as JSON with --out.
+"""
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
+
+ITERS = 20
+
+
+def short_name(name):
+    """The kernel's name without its namespace and argument list, with template arguments."""
+    name = name.replace("(anonymous namespace)::", "")
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "(" and depth == 0:
+            cut = i
+            break
+    return name[:cut].replace("void ", "")
+
+
+def profile_point(moe_ext, spec, l2_bytes):
+    model_name, dtype, tokens = spec.split("/")
+    m, M = bench_moe.MODELS[model_name], int(tokens)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bias = torch.randn(m.E, generator=gen, device="cuda") * 0.1 if m.correction_bias else None
+    weights = bench_moe.make_weights(m, gen, "cuda")
+    layers = [bench_moe.fill_layer(bench_moe.new_layer(moe_ext, m, dtype, bias), weights, m, dtype)]
+    x = torch.randn(M, m.H, generator=gen, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(M, m.E, generator=gen, device="cuda")
+    hit = bench_moe.route(logits, m, bias)[1].unique().numel()
+    touched = hit * 3 * m.H * m.I * (2 if dtype == "bf16" else 1)
+    copies = bench_moe.copies_needed(touched, bench_moe.layer_bytes(layers[0]), 1, l2_bytes)
+    while len(layers) < copies:
+        layers.append(bench_moe.fill_layer(bench_moe.new_layer(moe_ext, m, dtype, bias), weights, m,
+                                           dtype))
+    del weights
+    graph_us = 1e3 * bench_moe.time_graph(lambda: [layer(x, logits) for layer in layers]) / copies
+    for layer in layers:
+        layer(x, logits)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(ITERS):
+            layers[i % copies](x, logits)
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[short_name(event.name)] += event.device_time / ITERS
+    host_us = bench_moe.host_overhead_us(lambda: layers[0](x, logits))
+    del layers
+    torch.cuda.empty_cache()
+    return {"point": spec, "graph_us": graph_us, "kernel_sum_us": sum(per_kernel.values()),
+            "host_us": host_us, "weight_bytes": touched, "copies": copies,
+            "kernels": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("points", nargs="+", help="model/dtype/M, e.g. qwen3moe/bf16/1")
+    parser.add_argument("--out", help="JSON file for the results")
+    args = parser.parse_args(argv)
+    import moe_ext
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    results = []
+    for spec in args.points:
+        r = profile_point(moe_ext, spec, l2_bytes)
+        results.append(r)
+        print(f"{spec}: graph {r['graph_us']:.1f} us, kernels {r['kernel_sum_us']:.1f} us, "
+              f"host {r['host_us']:.1f} us ({r['copies']} copies)")
+        for name, us in r["kernels"].items():
+            print(f"    {us:8.1f} us  {name}")
+    if args.out:
+        meta = {"gpu": torch.cuda.get_device_name(0), "commit": bench_moe.git_commit()}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
