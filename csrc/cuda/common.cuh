@@ -153,6 +153,41 @@ cudaError_t mx_launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+/* 1 when the current device can launch dependents (compute capability 9.0
+ * or later); cached per device. */
+inline bool mx_dependent_launch_available()
+{
+    static std::atomic<int> state[64]; /* 0 unknown, 1 yes, 2 no */
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    const int known = state[device & 63].load(std::memory_order_relaxed);
+    if (known)
+        return known == 1;
+    int major = 0;
+    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                     major >= 9;
+    cudaGetLastError();
+    state[device & 63].store(yes ? 1 : 2, std::memory_order_relaxed);
+    return yes;
+}
+
+/* The pipeline's small kernels (routing, sorting, quantizers, the top-k
+ * sum) wait at their top, so launching them dependent is always safe: only
+ * their launch and prologue overlap the kernel before. Dependent where the
+ * device supports it, else a plain launch; returns the launch's error. */
+template <typename... Params, typename... Args>
+cudaError_t mx_launch_after(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                            Args &&...args)
+{
+    if (mx_dependent_launch_available())
+        return mx_launch_dependent(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return cudaGetLastError();
+}
+
 /* A kernel's name for its error messages, formatted once: launchers keep it
  * as a function-local static, so the forward's hot path formats nothing. */
 struct mx_kernel_name {

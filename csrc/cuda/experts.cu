@@ -267,5 +267,5 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
 
     return mx_cuda_moe_sum(y, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, p->num_tokens,
                            p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype, p->output,
-                           mx_tile_is_sm90_decode(tile_config), stream);
+                           stream);
 }

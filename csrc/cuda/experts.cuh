@@ -105,11 +105,10 @@ mx_status mx_cuda_grouped_gemm_f32(const mx_gemm_args *g, mx_gemm_kind kind, int
 /* moe_sum.cu: out[t] = sum_j sum_s y[s][t * top_k + j] over the slots with a
  * local expert and the k_splits split-K slices s (split_stride elements
  * apart), float32 in (slot, split) order, rounded once to dtype; zero rows
- * for tokens without a local slot. dependent: launched as a dependent of the
- * kernel before (common.cuh mx_launch_dependent; Hopper only). */
+ * for tokens without a local slot. */
 mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split_stride, const int32_t *topk_ids,
                           const int32_t *expert_map, int64_t tokens, int top_k, int64_t hidden,
-                          int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out, int dependent,
+                          int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
                           cudaStream_t stream);
 
 /* experts_fp8.cu: the FP8 w8a8 pipeline, taken by mx_cuda_experts when

@@ -279,6 +279,5 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         return st;
 
     return mx_cuda_moe_sum(y, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, M, p->top_k, H,
-                           p->global_num_experts, p->num_local_experts, p->act_dtype, p->output,
-                           mx_tile_is_sm90_decode(plan.tile_config), stream);
+                           p->global_num_experts, p->num_local_experts, p->act_dtype, p->output, stream);
 }

@@ -22,7 +22,9 @@
  * Pipeline row quantizers (declared in fp8.cuh): the same per-tensor and
  * per-group formulas over rows of a strided matrix with a row filter, q rows
  * padded with zeros to ldq; the per-tensor amax in block partials (no reset
- * needed, deterministic) or in an atomic amax written by GEMM1's epilogue. */
+ * needed, deterministic) or in an atomic amax written by GEMM1's epilogue.
+ * The row quantizers wait for the kernel before them at their top and are
+ * launched dependent where the GPU allows (common.cuh mx_launch_after). */
 #include <string.h>
 
 #include <type_traits>
@@ -143,6 +145,8 @@ __global__ void __launch_bounds__(kQuantThreads)
                        const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq, float *__restrict__ scales,
                        int64_t scale_ld)
 {
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int64_t groups = (cols + group - 1) / group;
     const int64_t gi = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5);
@@ -175,6 +179,8 @@ __global__ void __launch_bounds__(kQuantThreads)
     rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
                      float *__restrict__ partials, uint32_t *reset)
 {
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     float m = 0.0f;
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         if (!row_valid(f, row))
@@ -197,6 +203,8 @@ __global__ void __launch_bounds__(kQuantThreads)
                              const uint32_t *__restrict__ amax_bits, uint8_t *__restrict__ q, int64_t ldq,
                              float *__restrict__ scale)
 {
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     __shared__ float inv_scale;
     if (threadIdx.x < 32) {
         float m = 0.0f;
@@ -348,9 +356,9 @@ extern "C" mx_status mx_cuda_fp8_rows_amax(const void *x, mx_dtype dt, int64_t r
     const unsigned blocks = static_cast<unsigned>(mx_fp8_amax_parts(rows));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        rows_amax_kernel<T><<<blocks, kQuantThreads, 0, stream>>>(static_cast<const T *>(x), rows, cols, ldx, *filter,
-                                                                  partials, reset);
-        return mx_check_launch("rows_amax_kernel");
+        return mx_check_call(mx_launch_after(rows_amax_kernel<T>, dim3(blocks), dim3(kQuantThreads), 0, stream,
+                                             static_cast<const T *>(x), rows, cols, ldx, *filter, partials, reset),
+                             "rows_amax_kernel");
     });
 }
 
@@ -363,9 +371,10 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
     const unsigned blocks = static_cast<unsigned>(grid_cap(rows, 4096));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        rows_quant_tensor_kernel<T><<<blocks, kQuantThreads, 0, stream>>>(
-            static_cast<const T *>(x), rows, cols, ldx, *filter, partials, parts, amax_bits, q, ldq, scale);
-        return mx_check_launch("rows_quant_tensor_kernel");
+        return mx_check_call(mx_launch_after(rows_quant_tensor_kernel<T>, dim3(blocks), dim3(kQuantThreads), 0, stream,
+                                             static_cast<const T *>(x), rows, cols, ldx, *filter, partials, parts,
+                                             amax_bits, q, ldq, scale),
+                             "rows_quant_tensor_kernel");
     });
 }
 
@@ -381,9 +390,10 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, in
     const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        group_quant_kernel<T><<<grid, kQuantThreads, 0, stream>>>(static_cast<const T *>(x), rows, cols, ldx, group,
-                                                                    *filter, q, ldq, scales, scale_ld);
-        return mx_check_launch("group_quant_kernel");
+        return mx_check_call(mx_launch_after(group_quant_kernel<T>, grid, dim3(kQuantThreads), 0, stream,
+                                             static_cast<const T *>(x), rows, cols, ldx, group, *filter, q, ldq, scales,
+                                             scale_ld),
+                             "group_quant_kernel");
     });
 }
 

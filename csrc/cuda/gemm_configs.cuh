@@ -206,8 +206,10 @@ static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_exper
 }
 
 /* Split-K of GEMM2 in the Hopper decode kernel: slices while the
- * worst-case grid (m tiles x 128-row n tiles) has under two CTAs per SM of
- * an H100/H200 (264), up to 8, each of at least 4 k blocks of 128 bytes.
+ * worst-case grid (m tiles x 128-row n tiles) stays within two CTAs per SM
+ * of an H100/H200 (264: one wave), up to 8, each of at least 4 k blocks of
+ * 128 bytes. (Until 2026-11-22 the test let the grid pass 264 by one slice:
+ * qwen3moe at M = 1 ran 384 CTAs, 1.45 waves.)
  * elem_bytes: 2 (16-bit) or 1 (fp8). Returns the slice count; *split_len
  * gets its length in elements (whole k blocks, so every slice is non-empty
  * and the count is exact). */
@@ -218,7 +220,7 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
     const int64_t k_blocks = (inter + bk - 1) / bk;
     const int64_t ctas = m_tiles * ((hidden + 127) / 128);
     int64_t splits = 1;
-    while (splits < 8 && ctas * splits < 264 && k_blocks / (splits + 1) >= 4)
+    while (splits < 8 && ctas * (splits + 1) <= 264 && k_blocks / (splits + 1) >= 4)
         ++splits;
     const int64_t per_split = (k_blocks + splits - 1) / splits;
     *split_len = per_split * bk;

@@ -12,6 +12,8 @@ __global__ void __launch_bounds__(kAlignThreads)
                      int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
 {
     extern __shared__ int32_t align_smem[];
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     moe_align_block(topk_ids, expert_map, pairs, global_experts, local_experts, block_m, use_shared, align_smem,
                     counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
 }
@@ -25,8 +27,8 @@ extern "C" mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *e
 {
     const int use_shared = moe_align_counters_shared(local_experts);
     const size_t shared = use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(local_experts) : 0;
-    moe_align_kernel<<<1, kAlignThreads, shared, stream>>>(
-        topk_ids, expert_map, pairs, global_experts, local_experts, block_m, use_shared, counts, cursor,
-        sorted_ids, tile_expert, num_tiles);
-    return mx_check_launch("moe_align_kernel");
+    return mx_check_call(mx_launch_after(moe_align_kernel, dim3(1), dim3(kAlignThreads), shared, stream, topk_ids,
+                                         expert_map, pairs, global_experts, local_experts, block_m, use_shared, counts,
+                                         cursor, sorted_ids, tile_expert, num_tiles),
+                         "moe_align_kernel");
 }

@@ -10,9 +10,9 @@
  *
  * Grid: x = token, y = chunk of kChunk columns (H / 4 float4 columns when
  * H % 4 == 0, else scalars); each block first marks its token's valid slots
- * in shared memory (k bytes). After the Hopper decode kernel it is launched
- * dependent (common.cuh): the slot marks (from topk_ids, written before
- * GEMM2) overlap GEMM2's tail, y is read after the wait. */
+ * in shared memory (k bytes). Launched dependent where the GPU allows
+ * (common.cuh): the slot marks (from topk_ids, written before GEMM2) overlap
+ * GEMM2's tail; y is read after the wait. */
 #include "common.cuh"
 #include "experts.cuh"
 
@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kSumThreads)
         slot_valid[j] = mx_local_expert(topk_ids, expert_map, t * top_k + j, global_experts, local_experts) >= 0;
     __syncthreads();
     mx_griddep_wait();
+    mx_griddep_launch_dependents();
 
     const int64_t c = static_cast<int64_t>(blockIdx.y) * kSumThreads + threadIdx.x;
     if (kVec4) {
@@ -76,27 +77,22 @@ __global__ void __launch_bounds__(kSumThreads)
 
 template <typename T>
 mx_status launch(const float *y, int splits, int64_t split_stride, const int32_t *ids, const int32_t *map, int64_t tokens, int top_k,
-                 int64_t hidden, int64_t ge, int64_t le, void *out, int dependent, cudaStream_t stream)
+                 int64_t hidden, int64_t ge, int64_t le, void *out, cudaStream_t stream)
 {
     const bool vec4 = hidden % 4 == 0 && reinterpret_cast<uintptr_t>(out) % (4 * sizeof(T)) == 0;
     const int64_t cols = vec4 ? hidden / 4 : hidden;
     const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(mx_ceil_div(cols, kSumThreads)));
     auto kernel = vec4 ? moe_sum_kernel<T, true> : moe_sum_kernel<T, false>;
-    T *dst = static_cast<T *>(out);
-    if (dependent)
-        return mx_check_call(mx_launch_dependent(kernel, grid, dim3(kSumThreads), top_k, stream, y, splits, split_stride,
-                                                 ids, map, top_k, hidden, ge, le, dst),
-                             "moe_sum_kernel");
-    kernel<<<grid, kSumThreads, top_k, stream>>>(y, splits, split_stride, ids, map, top_k, hidden, ge, le, dst);
-    return mx_check_launch("moe_sum_kernel");
+    return mx_check_call(mx_launch_after(kernel, grid, dim3(kSumThreads), top_k, stream, y, splits, split_stride, ids,
+                                         map, top_k, hidden, ge, le, static_cast<T *>(out)),
+                         "moe_sum_kernel");
 }
 
 } /* namespace */
 
 extern "C" mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split_stride, const int32_t *topk_ids, const int32_t *expert_map,
                                      int64_t tokens, int top_k, int64_t hidden, int64_t global_experts,
-                                     int64_t local_experts, mx_dtype dtype, void *out, int dependent,
-                                     cudaStream_t stream)
+                                     int64_t local_experts, mx_dtype dtype, void *out, cudaStream_t stream)
 {
     if (tokens > 0x7fffffff || mx_ceil_div(hidden, kSumThreads) > 65535)
         return mx_status_fail(MX_ERR_VALUE, "moe_sum: M=%lld, H=%lld exceed the grid", (long long)tokens,
@@ -104,13 +100,13 @@ extern "C" mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split
     switch (dtype) {
     case MX_BF16:
         return launch<__nv_bfloat16>(y, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden, global_experts,
-                                     local_experts, out, dependent, stream);
+                                     local_experts, out, stream);
     case MX_F16:
         return launch<__half>(y, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden, global_experts, local_experts,
-                              out, dependent, stream);
+                              out, stream);
     case MX_F32:
         return launch<float>(y, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden, global_experts, local_experts,
-                             out, dependent, stream);
+                             out, stream);
     default:
         return mx_status_fail(MX_ERR_TYPE, "moe_sum: dtype %s", mx_dtype_name(dtype));
     }

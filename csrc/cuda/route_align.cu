@@ -6,8 +6,11 @@
  * to kFusedMaxTokens tokens they run as one kernel of one block: warp t
  * routes token t (route_token.cuh; one token per warp, so routing takes no
  * longer than in route_kernel), the block synchronizes, and the same block
- * sorts (moe_align_block, reading the ids just written). Larger M: the two
- * launches (route_kernel over many blocks, then moe_align_kernel).
+ * sorts (moe_align_block, reading the ids just written). When M x E (E
+ * rounded to warps) fits the 1024 threads, each token has a group of E
+ * threads that ranks its experts in one pass instead (route_token_by_group,
+ * as route_kernel does per block). Larger M: the two launches (route_kernel
+ * over many blocks, then moe_align_kernel).
  *
  * Shared memory of the fused kernel: M x 4 x E floats of routing rows, then
  * moe_align's 2 x E_local counters when they fit (else in the workspace).
@@ -22,16 +25,25 @@ constexpr int kFusedMaxTokens = kAlignThreads / 32;
 constexpr size_t kFusedMaxSmem = 160 * 1024;
 
 __global__ void __launch_bounds__(kAlignThreads)
-    route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
-                       int block_m, int use_shared, int32_t *counts_ws, int32_t *cursor_ws,
+    route_align_kernel(const mx_routing_problem r, int group_threads, const int32_t *__restrict__ expert_map,
+                       int64_t local_experts, int block_m, int use_shared, int32_t *counts_ws, int32_t *cursor_ws,
                        int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
                        int32_t *__restrict__ num_tiles)
 {
     extern __shared__ float route_align_smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     const size_t rows = 4 * static_cast<size_t>(r.num_experts);
-    if (warp < r.num_tokens)
-        route_token(r, warp, route_align_smem + warp * rows, lane);
+    if (group_threads) { /* token t = threadIdx.x / group_threads */
+        const int t = threadIdx.x / group_threads;
+        const bool live = t < r.num_tokens;
+        route_token_by_group(r, t, route_align_smem + (live ? t : 0) * rows, threadIdx.x % group_threads,
+                             group_threads, live);
+    } else {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        if (warp < r.num_tokens)
+            route_token(r, warp, route_align_smem + warp * rows, lane);
+    }
     __syncthreads(); /* the block's topk_ids writes are visible to the whole block */
     int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
     moe_align_block(r.topk_ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m,
@@ -72,8 +84,10 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
         if (st.code != MX_OK)
             return st;
     }
-    route_align_kernel<<<1, kAlignThreads, smem, stream>>>(*r, p->expert_map, p->num_local_experts, block_m,
-                                                           use_shared, counts, cursor, sorted_ids, tile_expert,
-                                                           num_tiles);
-    return mx_check_launch("route_align_kernel");
+    const int group = route_group_threads(r->num_experts);
+    const int group_threads = group && group * r->num_tokens <= kAlignThreads ? group : 0;
+    return mx_check_call(mx_launch_after(route_align_kernel, dim3(1), dim3(kAlignThreads), smem, stream, *r,
+                                         group_threads, p->expert_map, p->num_local_experts, block_m, use_shared, counts, cursor,
+                                         sorted_ids, tile_expert, num_tiles),
+                         "route_align_kernel");
 }

@@ -48,17 +48,24 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
-/* Routes token t with the calling warp; rows: the warp's 4 * E floats of
- * shared memory (score, choice, group, aux). Writes topk_weights[t, :] and
- * topk_ids[t, :]. */
-__device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t t, float *rows, int lane)
+/* Token t's working rows in shared memory (4 x E floats). */
+struct route_rows {
+    float *score;  /* [E] s = softmax(logits) or sigmoid(logits) */
+    float *choice; /* [E] s + bias, -inf outside the kept groups, NaN once taken */
+    float *group;  /* [E] per-group score, then slot j's weight */
+    int *aux;      /* [E] per-group keep flag, then slot j's expert */
+    __device__ route_rows(float *rows, int E)
+        : score(rows), choice(rows + E), group(rows + 2 * E), aux(reinterpret_cast<int *>(rows + 3 * E))
+    {
+    }
+};
+
+/* Steps 1-2 by one warp: scores, then choice with the groups masked. */
+__device__ __forceinline__ void route_scores(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
 {
     const int E = static_cast<int>(p.num_experts);
-    const int k = p.top_k;
-    float *score = rows;
-    float *choice = score + E;
-    float *group = choice + E;
-    int *aux = reinterpret_cast<int *>(group + E);
+    float *score = r.score, *choice = r.choice, *group = r.group;
+    int *aux = r.aux;
 
     /* 1. scores */
     const int64_t base = t * E;
@@ -124,38 +131,80 @@ __device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t
                 choice[e] = -INFINITY;
         __syncwarp();
     }
+}
 
-    /* 3. k rounds of arg-max over the untaken experts */
-    float wsum = 0.0f;
-    for (int j = 0; j < k; ++j) {
+/* Step 3 by one warp: k rounds of arg-max over the untaken experts; slot j
+ * gets the j-th best (value, then lower index). */
+__device__ __forceinline__ void route_select_warp(const mx_routing_problem &p, const route_rows &r, int lane)
+{
+    const int E = static_cast<int>(p.num_experts);
+    for (int j = 0; j < p.top_k; ++j) {
         float bv = NAN;
         int bi = E;
         for (int e = lane; e < E; e += 32)
-            if (route_better(choice[e], e, bv, bi)) {
-                bv = choice[e];
+            if (route_better(r.choice[e], e, bv, bi)) {
+                bv = r.choice[e];
                 bi = e;
             }
         warp_argmax(bv, bi);
         __syncwarp();
         if (lane == 0) {
-            choice[bi] = NAN;
-            group[j] = score[bi];
-            aux[j] = bi;
-            wsum += score[bi]; /* slot order, float32 */
+            r.choice[bi] = NAN;
+            r.group[j] = r.score[bi];
+            r.aux[j] = bi;
         }
         __syncwarp();
     }
+}
 
-    /* 4. renormalize, scale, write */
+/* Step 3 by the `threads` threads of a token's group (i = 0..threads-1),
+ * with no rounds: expert e's slot is its rank, the number of experts better
+ * than it (the same order as route_select_warp, so the same slots). The
+ * caller synchronizes the group before (choice complete) and after. */
+__device__ __forceinline__ void route_select_ranks(const mx_routing_problem &p, const route_rows &r, int i,
+                                                   int threads)
+{
+    const int E = static_cast<int>(p.num_experts);
+    for (int e = i; e < E; e += threads) {
+        const float v = r.choice[e];
+        int rank = 0;
+        for (int h = 0; h < E; ++h)
+            rank += route_better(r.choice[h], h, v, e);
+        if (rank < p.top_k) {
+            r.group[rank] = r.score[e];
+            r.aux[rank] = e;
+        }
+    }
+}
+
+/* Step 4 by one warp: renormalize over the slots (float32, slot order),
+ * scale, write topk_weights[t, :] and topk_ids[t, :]. */
+__device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
+{
+    const int k = p.top_k;
+    float wsum = 0.0f;
+    if (lane == 0)
+        for (int j = 0; j < k; ++j)
+            wsum += r.group[j];
     wsum = __shfl_sync(0xffffffffu, wsum, 0);
     for (int j = lane; j < k; j += 32) {
-        float w = group[j];
+        float w = r.group[j];
         if (p.renormalize)
             w = w / wsum;
         p.topk_weights[t * k + j] = w * p.routed_scaling_factor;
-        p.topk_ids[t * k + j] = aux[j];
+        p.topk_ids[t * k + j] = r.aux[j];
     }
     __syncwarp(); /* the rows are free for the warp's next token */
+}
+
+/* Routes token t with the calling warp; rows: the warp's 4 * E floats of
+ * shared memory. Writes topk_weights[t, :] and topk_ids[t, :]. */
+__device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t t, float *rows, int lane)
+{
+    const route_rows r(rows, static_cast<int>(p.num_experts));
+    route_scores(p, t, r, lane);
+    route_select_warp(p, r, lane);
+    route_write(p, t, r, lane);
 }
 
 /* 0 => p is routable (M >= 1); else st holds the error. */
@@ -187,6 +236,31 @@ inline int route_check(const mx_routing_problem *p, mx_status *st)
 
 /* Shared-memory bytes of one routing warp (its four rows of E floats). */
 inline size_t route_warp_bytes(int64_t experts) { return 4 * sizeof(float) * static_cast<size_t>(experts); }
+
+/* Threads of a token group for route_select_ranks: E rounded up to whole
+ * warps, or 0 (one warp per token) past 1024. */
+inline int route_group_threads(int64_t experts)
+{
+    const int64_t threads = (experts + 31) / 32 * 32;
+    return threads <= 1024 ? static_cast<int>(threads) : 0;
+}
+
+/* Token t routed by a group of `threads` threads (i = 0..threads-1 within
+ * it; live: t is a token). Synchronizes the whole block twice, so every
+ * thread of the block calls it. */
+__device__ __forceinline__ void route_token_by_group(const mx_routing_problem &p, int64_t t, float *rows, int i,
+                                                     int threads, bool live)
+{
+    const route_rows r(rows, static_cast<int>(p.num_experts));
+    if (live && i < 32)
+        route_scores(p, t, r, i);
+    __syncthreads();
+    if (live)
+        route_select_ranks(p, r, i, threads);
+    __syncthreads();
+    if (live && i < 32)
+        route_write(p, t, r, i);
+}
 
 } /* namespace */
 
