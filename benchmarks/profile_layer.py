@@ -6,7 +6,12 @@ moe_ext.FusedMoE on points of the perf grid, next to the CUDA-graph time of the 
     python3 benchmarks/profile_layer.py qwen3moe/bf16/1 mixtral/fp8_tensor/64
 
 Prints, per point: graph us, the sum of kernel us (the rest is launch gaps), and each kernel's
-mean us per forward. Writes the same as JSON with --out.
+mean us per forward. Writes the same as JSON with --out. Kernels launched dependent (they may
+start before the kernel ahead of them ends) count their waiting time too. With --eager the
+points' forwards only run, 4 times each, for an outside profiler:
+
+    ncu --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
+        python3 benchmarks/profile_layer.py --eager qwen3moe/bf16/512
 """
 import argparse
 import json
@@ -35,7 +40,8 @@ def short_name(name):
     return name[:cut].replace("void ", "")
 
 
-def profile_point(moe_ext, spec, l2_bytes):
+def build_point(moe_ext, spec, l2_bytes):
+    """(layers to rotate, x, logits, weight bytes touched) of one model/dtype/M point."""
     model_name, dtype, tokens = spec.split("/")
     m, M = bench_moe.MODELS[model_name], int(tokens)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -50,7 +56,12 @@ def profile_point(moe_ext, spec, l2_bytes):
     while len(layers) < copies:
         layers.append(bench_moe.fill_layer(bench_moe.new_layer(moe_ext, m, dtype, bias), weights, m,
                                            dtype))
-    del weights
+    return layers, x, logits, touched
+
+
+def profile_point(moe_ext, spec, l2_bytes):
+    layers, x, logits, touched = build_point(moe_ext, spec, l2_bytes)
+    copies = len(layers)
     graph_us = 1e3 * bench_moe.time_graph(lambda: [layer(x, logits) for layer in layers]) / copies
     for layer in layers:
         layer(x, logits)
@@ -75,9 +86,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="+", help="model/dtype/M, e.g. qwen3moe/bf16/1")
     parser.add_argument("--out", help="JSON file for the results")
+    parser.add_argument("--eager", action="store_true", help="only run 4 forwards per point")
     args = parser.parse_args(argv)
     import moe_ext
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    if args.eager:
+        for spec in args.points:
+            layers, x, logits, _ = build_point(moe_ext, spec, l2_bytes)
+            for i in range(4):
+                layers[i % len(layers)](x, logits)
+            torch.cuda.synchronize()
+            del layers
+        return
     results = []
     for spec in args.points:
         r = profile_point(moe_ext, spec, l2_bytes)

@@ -65,8 +65,8 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
 }
 
 /* The whole sort by one block of kAlignThreads threads. align_smem: 2 * E
- * ints of shared memory when use_shared. topk_ids is read without
- * __restrict__: route_align.cu writes it earlier in the same kernel. */
+ * ints of shared memory when use_shared. topk_ids may be global or shared
+ * memory (route_align.cu passes its copy, written earlier in the kernel). */
 __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const int32_t *__restrict__ expert_map,
                                                 int64_t pairs, int64_t global_experts, int64_t local_experts,
                                                 int block_m, int use_shared, int32_t *align_smem, int32_t *counts_ws,

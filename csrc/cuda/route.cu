@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(1024) route_kernel(const mx_routing_problem p,
     mx_griddep_wait();
     mx_griddep_launch_dependents();
     if (group_threads) {
-        route_token_by_group(p, blockIdx.x, route_smem, threadIdx.x, group_threads, true);
+        route_token_by_group(p, blockIdx.x, route_smem, threadIdx.x, group_threads, true, nullptr);
         return;
     }
     const int lane = threadIdx.x & 31;
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(1024) route_kernel(const mx_routing_problem p,
     const int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp;
     if (warp >= warps || t >= p.num_tokens)
         return; /* whole warps leave; nothing below synchronizes the block */
-    route_token(p, t, route_smem + static_cast<size_t>(warp) * 4 * p.num_experts, lane);
+    route_token(p, t, route_smem + static_cast<size_t>(warp) * 4 * p.num_experts, lane, nullptr);
 }
 
 } /* namespace */

@@ -13,7 +13,9 @@
  * over many blocks, then moe_align_kernel).
  *
  * Shared memory of the fused kernel: M x 4 x E floats of routing rows, then
- * moe_align's 2 x E_local counters when they fit (else in the workspace).
+ * moe_align's 2 x E_local counters when they fit (else in the workspace),
+ * then a copy of the M x k ids, which the sort reads instead of global
+ * memory.
  * Over 48 KB it opts in once per device (E = 256, M = 32: 130 KB). */
 #include "experts.cuh"
 #include "moe_align.cuh"
@@ -34,20 +36,21 @@ __global__ void __launch_bounds__(kAlignThreads)
     mx_griddep_wait();
     mx_griddep_launch_dependents();
     const size_t rows = 4 * static_cast<size_t>(r.num_experts);
+    int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
+    int32_t *ids = counters + (use_shared ? 2 * local_experts : 0); /* the sort reads the ids from here */
     if (group_threads) { /* token t = threadIdx.x / group_threads */
         const int t = threadIdx.x / group_threads;
         const bool live = t < r.num_tokens;
         route_token_by_group(r, t, route_align_smem + (live ? t : 0) * rows, threadIdx.x % group_threads,
-                             group_threads, live);
+                             group_threads, live, ids);
     } else {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         if (warp < r.num_tokens)
-            route_token(r, warp, route_align_smem + warp * rows, lane);
+            route_token(r, warp, route_align_smem + warp * rows, lane, ids);
     }
-    __syncthreads(); /* the block's topk_ids writes are visible to the whole block */
-    int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
-    moe_align_block(r.topk_ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m,
-                    use_shared, counters, counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
+    __syncthreads(); /* the ids in shared memory are complete */
+    moe_align_block(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, use_shared,
+                    counters, counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
 }
 
 } /* namespace */
@@ -70,7 +73,8 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
                               "(M, top_k, E, outputs)");
     const int use_shared = moe_align_counters_shared(p->num_local_experts);
     const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
-                        (use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(p->num_local_experts) : 0);
+                        (use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(p->num_local_experts) : 0) +
+                        sizeof(int32_t) * static_cast<size_t>(pairs);
     if (r->num_tokens > kFusedMaxTokens || smem > kFusedMaxSmem) {
         st = mx_cuda_route(r, stream);
         if (st.code != MX_OK)

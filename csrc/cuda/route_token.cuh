@@ -178,8 +178,10 @@ __device__ __forceinline__ void route_select_ranks(const mx_routing_problem &p, 
 }
 
 /* Step 4 by one warp: renormalize over the slots (float32, slot order),
- * scale, write topk_weights[t, :] and topk_ids[t, :]. */
-__device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
+ * scale, write topk_weights[t, :] and topk_ids[t, :] (and the ids to
+ * ids_copy[t * k + j] when given). */
+__device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane,
+                                            int32_t *ids_copy)
 {
     const int k = p.top_k;
     float wsum = 0.0f;
@@ -193,18 +195,22 @@ __device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t
             w = w / wsum;
         p.topk_weights[t * k + j] = w * p.routed_scaling_factor;
         p.topk_ids[t * k + j] = r.aux[j];
+        if (ids_copy)
+            ids_copy[t * k + j] = r.aux[j];
     }
     __syncwarp(); /* the rows are free for the warp's next token */
 }
 
 /* Routes token t with the calling warp; rows: the warp's 4 * E floats of
- * shared memory. Writes topk_weights[t, :] and topk_ids[t, :]. */
-__device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t t, float *rows, int lane)
+ * shared memory. Writes topk_weights[t, :] and topk_ids[t, :] (ids_copy as
+ * for route_write). */
+__device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t t, float *rows, int lane,
+                                            int32_t *ids_copy)
 {
     const route_rows r(rows, static_cast<int>(p.num_experts));
     route_scores(p, t, r, lane);
     route_select_warp(p, r, lane);
-    route_write(p, t, r, lane);
+    route_write(p, t, r, lane, ids_copy);
 }
 
 /* 0 => p is routable (M >= 1); else st holds the error. */
@@ -249,7 +255,7 @@ inline int route_group_threads(int64_t experts)
  * it; live: t is a token). Synchronizes the whole block twice, so every
  * thread of the block calls it. */
 __device__ __forceinline__ void route_token_by_group(const mx_routing_problem &p, int64_t t, float *rows, int i,
-                                                     int threads, bool live)
+                                                     int threads, bool live, int32_t *ids_copy)
 {
     const route_rows r(rows, static_cast<int>(p.num_experts));
     if (live && i < 32)
@@ -259,7 +265,7 @@ __device__ __forceinline__ void route_token_by_group(const mx_routing_problem &p
         route_select_ranks(p, r, i, threads);
     __syncthreads();
     if (live && i < 32)
-        route_write(p, t, r, i);
+        route_write(p, t, r, i, ids_copy);
 }
 
 } /* namespace */
