@@ -1,7 +1,8 @@
 """Small CUDA forwards run under compute-sanitizer by test_sanitizer.py: routing modes,
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
-multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16- and 64-token
-tiles, split-K), the persistent kernel (>= 64 rows per expert), FP8 on both, and moe_ext.Linear."""
+multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
+64-token tiles, split-K), the persistent kernel (>= 64 rows per expert), FP8 on both, and
+moe_ext.Linear; routing fused with the sort (M <= 32) and apart."""
 import torch
 
 import moe_ext
@@ -31,11 +32,12 @@ def main():
                 x = torch.randn(m, kw["hidden_size"], generator=gen).to("cuda", dtype)
                 logits = torch.randn(m, kw["num_experts"], generator=gen).cuda()
                 assert torch.isfinite(layer(x, logits)).all()
-    kw = cases[1]  # 8 experts, top 2: 300 tokens are 75 rows per expert
+    kw = cases[1]  # 8 experts, top 2: 100 / 300 tokens are 25 / 75 rows per expert
     layer = moe_ext.FusedMoE(params_dtype=torch.bfloat16, device="cuda", **kw)
     fill(layer, gen)
-    x = torch.randn(300, kw["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
-    assert torch.isfinite(layer(x, torch.randn(300, 8, generator=gen).cuda())).all()
+    for m in (100, 300):
+        x = torch.randn(m, kw["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
+        assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
     for block in (None, [128, 128]):
         for h, i, tokens in ((200, 130, (1, 9)), (256, 192, (1, 40, 100, 300))):
             layer = moe_ext.FusedMoE(8, 2, h, i, params_dtype=torch.bfloat16, device="cuda",

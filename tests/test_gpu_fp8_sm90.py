@@ -1,7 +1,7 @@
 """FP8 layers with H, I multiples of 16, so that a Hopper GPU runs the FP8 wgmma kernels
 (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config): the persistent kernel from 64 rows per local
-expert, the decode kernel (16- / 64-token tiles, split-K) below; other GPUs run the mma.sync tiles
-through the same checks. A profiler trace shows which kernels ran.
+expert, the decode kernel (16- / 32- / 48- / 64-token tiles, split-K) below; other GPUs run the
+mma.sync tiles through the same checks. A profiler trace shows which kernels ran.
 H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run.
 
 Per-tensor layers are checked with compare_tensor: the activation scale is the max over the
@@ -73,8 +73,8 @@ def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
         assert not any(WGMMA_FP8 in n for n in names), f"unexpected FP8 wgmma kernel: {names}"
 
 
-# decode kernel: 16-token tiles (1 token), 16-, 32-, 64-token tiles; persistent kernel: 233
-@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 16, 48, 233])
+# decode kernel: 16-token tiles (1 token), 16-, 32-, 48-, 64-token tiles; persistent kernel: 233
+@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 16, 30, 48, 233])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 @pytest.mark.parametrize("method", list(METHODS))

@@ -1,7 +1,7 @@
 """CUDA engine with H and I multiples of 8 (TMA strides) but not of 64 (k tails, partial n tiles),
 so that a Hopper GPU takes the sm_90a wgmma kernels (gemm_configs.cuh mx_select_sm90_config):
 the persistent kernel from 64 rows per expert, the decode kernel (operands swapped, 16- / 32- /
-64-token tiles, split-K) below. Other GPUs run the mma.sync tiles through the same checks."""
+48- / 64-token tiles, split-K) below. Other GPUs run the mma.sync tiles through the same checks."""
 import pytest
 import torch
 
@@ -20,12 +20,13 @@ def expected_gemm_kernel(rows_per_expert):
     """The kernel (and decode tile) the Hopper rule picks for this many rows per local expert."""
     if rows_per_expert >= 64:
         return PERSISTENT_KERNEL
-    tokens = 16 if rows_per_expert < 8 else 32 if rows_per_expert < 24 else 64
+    tokens = (16 if rows_per_expert < 8 else 32 if rows_per_expert < 24 else 48 if rows_per_expert < 36
+              else 64)
     return f"mx_sm90_decode_shape<{tokens},"
 
 
-# decode kernel: 16-token tiles (1 token), 16-, 32-, 64-token tiles; persistent kernel: 150
-@pytest.mark.parametrize("rows_per_expert", [0.1, 5, 16, 48, 150])
+# decode kernel: 16-token tiles (1 token), 16-, 32-, 48-, 64-token tiles; persistent kernel: 150
+@pytest.mark.parametrize("rows_per_expert", [0.1, 5, 16, 30, 48, 150])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_matches_reference(cfg, dtype, rows_per_expert, gen):

@@ -117,7 +117,7 @@ struct mx_sm90_decode_shape {
     static constexpr int kLdd = BT + 1;
     static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 8 * STAGES;
 
-    static_assert(BT == 16 || BT == 32 || BT == 64, "wgmma n of the compiled forms");
+    static_assert(BT == 16 || BT == 32 || BT == 48 || BT == 64, "wgmma n of the compiled forms");
     static_assert(kStageBytes % 1024 == 0, "slots start on 1024-byte swizzle atoms");
     static_assert(size_t(128) * kLdd * 4 <= size_t(STAGES) * kStageBytes, "the epilogue tile fits the ring");
 };
@@ -126,6 +126,9 @@ struct mx_sm90_decode_shape {
 typedef mx_sm90_decode_shape<16, 6> mx_tile_sm90_decode;
 /* 32 tokens, 5 stages of 20 KB (101 KB), 2 CTAs per SM. */
 typedef mx_sm90_decode_shape<32, 5> mx_tile_sm90_decode32;
+/* 48 tokens, 5 stages of 22 KB (111 KB), 2 CTAs per SM: one stage more in
+ * flight than 64-token tiles. */
+typedef mx_sm90_decode_shape<48, 5> mx_tile_sm90_decode48;
 /* 64 tokens, 4 stages of 24 KB (97 KB), 2 CTAs per SM. */
 typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
 
@@ -138,11 +141,13 @@ enum mx_tile_config {
     MX_TILE_SM90_DECODE = 5,   /* Hopper decode kernel, 16-token tiles */
     MX_TILE_SM90_MID = 6,      /* Hopper decode kernel, 64-token tiles */
     MX_TILE_SM90_DECODE32 = 7, /* Hopper decode kernel, 32-token tiles */
+    MX_TILE_SM90_DECODE48 = 8, /* Hopper decode kernel, 48-token tiles */
 };
 
 static inline int mx_tile_is_sm90_decode(int config)
 {
-    return config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_DECODE32 || config == MX_TILE_SM90_MID;
+    return config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_DECODE32 || config == MX_TILE_SM90_DECODE48 ||
+           config == MX_TILE_SM90_MID;
 }
 
 static inline int mx_tile_is_sm90(int config)
@@ -157,6 +162,7 @@ static inline int mx_tile_block_m(int config)
 {
     return config == MX_TILE_SM90_DECODE   ? mx_tile_sm90_decode::kBlockT
          : config == MX_TILE_SM90_DECODE32 ? mx_tile_sm90_decode32::kBlockT
+         : config == MX_TILE_SM90_DECODE48 ? mx_tile_sm90_decode48::kBlockT
          : config == MX_TILE_SM90_MID      ? mx_tile_sm90_mid::kBlockT
          : mx_tile_is_sm90(config)       ? kSm90BlockM
          : config == MX_TILE_LARGE ? mx_tile_large::kBlockM
@@ -202,6 +208,7 @@ static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_exper
 {
     return rows < 8 * local_experts    ? MX_TILE_SM90_DECODE
          : rows < 24 * local_experts ? MX_TILE_SM90_DECODE32
+         : rows < 36 * local_experts ? MX_TILE_SM90_DECODE48
                                      : MX_TILE_SM90_MID;
 }
 

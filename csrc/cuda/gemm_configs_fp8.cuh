@@ -83,10 +83,11 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_SM90 = 3,
     MX_FP8_TILE_SM90_PAIR = 4,
     /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh), the 16-bit
-     * configs of the same number: 16- / 32- / 64-token tiles */
+     * configs of the same number: 16- / 32- / 48- / 64-token tiles */
     MX_FP8_TILE_SM90_DECODE = MX_TILE_SM90_DECODE,
     MX_FP8_TILE_SM90_MID = MX_TILE_SM90_MID,
     MX_FP8_TILE_SM90_DECODE32 = MX_TILE_SM90_DECODE32,
+    MX_FP8_TILE_SM90_DECODE48 = MX_TILE_SM90_DECODE48,
 };
 
 static inline int mx_fp8_tile_is_sm90(int config)
@@ -129,7 +130,7 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * HMMAs there). TMA needs 16-byte rows (H, I multiples of 16); with block
  * scales each 64-row weight box of the gated GEMM1 must lie in one 128-row
  * scale block (I a multiple of 64). Below kFp8Sm90MinRowsPerExpert rows per
- * expert the decode kernel (operands swapped, 16-, 32- or 64-token tiles,
+ * expert the decode kernel (operands swapped, 16-, 32-, 48- or 64-token tiles,
  * mx_select_sm90_decode_config); from kFp8Sm90PairMinRowsPerExpert the
  * per-tensor path takes CTA pairs (the 16-bit rule's thresholds, to be
  * tuned on FP8 data). Returns an SM90 config or -1. */

@@ -1,7 +1,7 @@
 /* Instantiations of the Hopper decode kernel (grouped_gemm_sm90_decode.cuh):
  * bfloat16 and float16 operands, and float8_e4m3 operands with per-tensor or
- * 128x128 block scales and a bfloat16 / float16 act dtype; 16-, 32- and
- * 64-token tiles; four kinds each. */
+ * 128x128 block scales and a bfloat16 / float16 act dtype; 16-, 32-, 48-
+ * and 64-token tiles; four kinds each. */
 #include "grouped_gemm_sm90_decode.cuh"
 
 namespace {
@@ -12,6 +12,9 @@ mx_status decode_for_types(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_g
 {
     if (tile_config == MX_TILE_SM90_MID)
         return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_mid, QUANT>(g, sc, kind, local_experts, m_tiles, stream);
+    if (tile_config == MX_TILE_SM90_DECODE48)
+        return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode48, QUANT>(g, sc, kind, local_experts, m_tiles,
+                                                                              stream);
     if (tile_config == MX_TILE_SM90_DECODE32)
         return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode32, QUANT>(g, sc, kind, local_experts, m_tiles,
                                                                               stream);

@@ -226,6 +226,14 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])\
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
+#define MX_WGMMA_M64N48(KTYPES, TAIL)\
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"\
+                 "wgmma.mma_async.sync.aligned.m64n48" KTYPES " {"\
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "\
+                 "%24, %25, p, " TAIL ";\n}\n"\
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])\
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
 #define MX_WGMMA_M64N64(KTYPES, TAIL)\
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"\
                  "wgmma.mma_async.sync.aligned.m64n64" KTYPES " {"\
@@ -287,6 +295,24 @@ template <> struct sm90_wgmma<__nv_fp8_e4m3, 64> {
     static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d)
     {
         MX_WGMMA_M64N64("k32.f32.e4m3.e4m3", "1, 1");
+    }
+};
+template <> struct sm90_wgmma<__nv_bfloat16, 48> {
+    static __device__ __forceinline__ void run(float (&d)[24], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N48("k16.f32.bf16.bf16", "1, 1, 0, 0");
+    }
+};
+template <> struct sm90_wgmma<__half, 48> {
+    static __device__ __forceinline__ void run(float (&d)[24], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N48("k16.f32.f16.f16", "1, 1, 0, 0");
+    }
+};
+template <> struct sm90_wgmma<__nv_fp8_e4m3, 48> {
+    static __device__ __forceinline__ void run(float (&d)[24], uint64_t desc_a, uint64_t desc_b, int scale_d)
+    {
+        MX_WGMMA_M64N48("k32.f32.e4m3.e4m3", "1, 1");
     }
 };
 template <> struct sm90_wgmma<__nv_bfloat16, 128> {
