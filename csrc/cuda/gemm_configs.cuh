@@ -195,9 +195,16 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
  * an expert's count spreads about sqrt(mean) around it, so at 16 rows per
  * expert (Mixtral M = 64) many experts took two 16-token tiles and the
  * layer streamed at 3.5 TB/s against 4.2 at M = 32 (c627e2a). So: under 8
- * expected rows per expert 16-token tiles, under 24 32-token tiles, else
- * 64-token tiles. (Before: 16 under 32 rows, else 64: the mma.sync rule's
- * thresholds.) Against the mma.sync decode / mid tiles it
+ * expected rows per expert 16-token tiles, under 24 32-token tiles, under
+ * 36 48-token tiles, else 64-token tiles. (Before: 16 under 32 rows, else
+ * 64: the mma.sync rule's thresholds.) The kernel streams weights at the
+ * rate its loads in flight allow (ncu, qwen3moe bf16: 16-token tiles 82% of
+ * DRAM peak, 64-token tiles 55%, their stages hold a third activations), so
+ * the smallest tile that holds the fullest expert wins: at 32 rows per
+ * expert 48-token tiles beat 64-token tiles by 3-12% (Mixtral M = 128,
+ * qwen3moe M = 512, gptoss / DeepSeek-V3 M = 1024, every dtype), and
+ * 32-token tiles (two tiles for many experts) lost 3-10% (H200,
+ * 2026-11-22, 955e9de / 2ba20ab). Against the mma.sync decode / mid tiles it
  * replaced (bf16, H200, full grid fa9c6f5 against a01c967): 0.99-1.15x at
  * M = 8..1024 except Mixtral M = 64 (0.84x, two 16-token tiles per expert,
  * since helped by the grid order of grouped_gemm_sm90_decode.cuh) and M = 1
