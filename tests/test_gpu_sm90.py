@@ -20,7 +20,7 @@ def expected_gemm_kernel(rows_per_expert):
     """The kernel (and decode tile) the Hopper rule picks for this many rows per local expert."""
     if rows_per_expert >= 64:
         return PERSISTENT_KERNEL
-    tokens = (16 if rows_per_expert < 8 else 32 if rows_per_expert < 24 else 48 if rows_per_expert < 36
+    tokens = (16 if rows_per_expert < 12 else 32 if rows_per_expert < 24 else 48 if rows_per_expert < 36
               else 64)
     return f"mx_sm90_decode_shape<{tokens},"
 

@@ -194,9 +194,12 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
  * should hold the fullest expert's rows, not the mean: with uniform routing
  * an expert's count spreads about sqrt(mean) around it, so at 16 rows per
  * expert (Mixtral M = 64) many experts took two 16-token tiles and the
- * layer streamed at 3.5 TB/s against 4.2 at M = 32 (c627e2a). So: under 8
+ * layer streamed at 3.5 TB/s against 4.2 at M = 32 (c627e2a). So: under 12
  * expected rows per expert 16-token tiles, under 24 32-token tiles, under
- * 36 48-token tiles, else 64-token tiles. (Before: 16 under 32 rows, else
+ * 36 48-token tiles, else 64-token tiles. (The 12 is not measured with this
+ * kernel: at 8 rows per expert 32-token tiles, 377dba6, lost 2-6% to the
+ * 16-token tiles of c627e2a on Mixtral M = 32, qwen3moe fp8 M = 128 and
+ * gptoss fp8 M = 256, and won 5% on DeepSeek-V3 M = 256.) (Before: 16 under 32 rows, else
  * 64: the mma.sync rule's thresholds.) The kernel streams weights at the
  * rate its loads in flight allow (ncu, qwen3moe bf16: 16-token tiles 82% of
  * DRAM peak, 64-token tiles 55%, their stages hold a third activations), so
@@ -213,7 +216,7 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
  * the 16-bit and the FP8 rules. */
 static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_experts)
 {
-    return rows < 8 * local_experts    ? MX_TILE_SM90_DECODE
+    return rows < 12 * local_experts   ? MX_TILE_SM90_DECODE
          : rows < 24 * local_experts ? MX_TILE_SM90_DECODE32
          : rows < 36 * local_experts ? MX_TILE_SM90_DECODE48
                                      : MX_TILE_SM90_MID;
