@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build for sm_90a, run the GPU tests and the demo, then the benchmark and its
 # issue-5 scorecard. Usage (on the lent GPU): bash benchmarks/device_run.sh [bench_moe.py args...]
-# Logs and the result JSON go to $OUT (or ./device_out when OUT is unset).
+# Logs and the result JSON go to $OUT (or ./device_out when OUT is unset). Set MOE_EXT_COMMIT to the
+# commit under test: the copy of the tree on the device may carry a stale .git (2026-11-22: a run
+# of 24aa61e was labelled 72b3e3e).
 set -uo pipefail
+[ -n "${MOE_EXT_COMMIT:-}" ] || echo "device_run.sh: MOE_EXT_COMMIT is unset; the result is labelled from .git" >&2
 out="${OUT:-device_out}"
 mkdir -p "$out"
 # the editable install is not always on the device python's path: import from the tree
