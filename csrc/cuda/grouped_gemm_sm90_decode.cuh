@@ -36,6 +36,10 @@
  * with block scales as acc += part * sa[token, kb] * sw[box, kb] (a k block
  * is one 128-wide scale block). (Promoting every k step, 32 columns, as
  * before: 0.0023 on that test, but four wgmma round trips per k block.)
+ * Launched dependent (common.cuh mx_launch_dependent): GEMM2 and LINEAR issue
+ * their first kStages weight loads before waiting for the kernel ahead (its
+ * output is only their A), so their weight stream starts during that
+ * kernel's tail; GEMM1 waits first (the sort just wrote its tile table).
  * Epilogue: the accumulators go through shared memory (the drained ring) as
  * a [128 weight rows][kBlockT tokens] float tile, then the threads walk the
  * outputs column-fastest: GEMM1 kinds apply scale, bias and activation and
