@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         for (int s = 0; s < STAGES; ++s)
             mbar_init(full_bar(s), kRowsFromX ? 1 + kLoaders : 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_proxy_async_smem();
     }
     if (tid < BT) {
         const int32_t pair = !kLinear ? g.sorted_ids[a_row + tid] : a_row + tid < g.rows ? static_cast<int32_t>(a_row + tid) : -1;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             for (int r = lane / 8; r < BT; r += 4) {
                 const unsigned char *row = tile_row[r];
                 const bool live = row != nullptr && at < k_bytes;
-                cp_async16_zfill(dst + W_BYTES + static_cast<uint32_t>(r * 128 + ((chunk ^ (r % 8)) * 16)),
+                mx_cp_async16(dst + W_BYTES + static_cast<uint32_t>(r * 128 + ((chunk ^ (r % 8)) * 16)),
                                  live ? row + at : static_cast<const unsigned char *>(g.a), live ? 16 : 0);
             }
             mbar_arrive_cp_async(full_bar(s));

@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             mbar_init(empty_bar(s), Shape::kMathWarps * CM); /* every math warp of the cluster */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_proxy_async_smem();
     }
     if (CM > 1)
         cluster_sync(); /* the peer's barriers exist before anyone multicasts or arrives remotely */

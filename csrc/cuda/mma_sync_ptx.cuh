@@ -18,11 +18,16 @@ __device__ __forceinline__ uint32_t mx_smem_addr(const void *p)
 }
 
 /* 16-byte global->shared copy that bypasses L1 (.cg: tiles are used once per
- * CTA); bytes past src_bytes (0 or 16) are zero-filled. */
+ * CTA); bytes past src_bytes (0 or 16) are zero-filled. dst: a shared-memory
+ * address (mx_smem_addr) or pointer. */
+__device__ __forceinline__ void mx_cp_async16(uint32_t dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
 __device__ __forceinline__ void mx_cp_async16(void *dst, const void *src, int src_bytes)
 {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mx_smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
+    mx_cp_async16(mx_smem_addr(dst), src, src_bytes);
 }
 
 /* 4-byte copy (.ca: the only size-4 form), for block scales. */

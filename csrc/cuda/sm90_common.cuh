@@ -52,14 +52,9 @@ __device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar)
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-/* 16-byte global->shared copy (L2 only); src_bytes 0 zero-fills. */
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void *src, int src_bytes)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-/* Orders this thread's generic-proxy view of shared memory (cp.async data
- * seen through an mbarrier) before its async-proxy reads (wgmma). */
+/* Orders this thread's generic-proxy view of shared memory (barrier
+ * initialization, cp.async data seen through an mbarrier) before its
+ * async-proxy accesses (TMA, wgmma). */
 __device__ __forceinline__ void fence_proxy_async_smem()
 {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -206,10 +201,8 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
-/* One k step of 32 bytes (16 16-bit or 32 fp8 elements) of wgmma m64nN;
- * TA is the operand type. */
-/* The narrow forms (n 16 / 32 / 64) serve the decode kernel, whose n is the
- * token count of a tile. */
+/* The narrow forms (n 16 / 32 / 48 / 64) serve the decode kernel, whose n is
+ * the token count of a tile. */
 #define MX_WGMMA_M64N16(KTYPES, TAIL)\
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"\
                  "wgmma.mma_async.sync.aligned.m64n16" KTYPES " {"\
@@ -243,114 +236,27 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
 template <typename TA, int N> struct sm90_wgmma;
-template <> struct sm90_wgmma<__nv_bfloat16, 16> {
-    static __device__ __forceinline__ void run(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N16("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_bfloat16, 32> {
-    static __device__ __forceinline__ void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N32("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_bfloat16, 64> {
-    static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N64("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 16> {
-    static __device__ __forceinline__ void run(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N16("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 32> {
-    static __device__ __forceinline__ void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N32("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 64> {
-    static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N64("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 16> {
-    static __device__ __forceinline__ void run(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N16("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 32> {
-    static __device__ __forceinline__ void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N32("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 64> {
-    static __device__ __forceinline__ void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N64("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
-template <> struct sm90_wgmma<__nv_bfloat16, 48> {
-    static __device__ __forceinline__ void run(float (&d)[24], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N48("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 48> {
-    static __device__ __forceinline__ void run(float (&d)[24], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N48("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 48> {
-    static __device__ __forceinline__ void run(float (&d)[24], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N48("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
-template <> struct sm90_wgmma<__nv_bfloat16, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N128("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_bfloat16, 256> {
-    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N256("k16.f32.bf16.bf16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N128("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__half, 256> {
-    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N256("k16.f32.f16.f16", "1, 1, 0, 0");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N128("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
-template <> struct sm90_wgmma<__nv_fp8_e4m3, 256> {
-    static __device__ __forceinline__ void run(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d)
-    {
-        MX_WGMMA_M64N256("k32.f32.e4m3.e4m3", "1, 1");
-    }
-};
+/* sm90_wgmma<TA, N> for the compiled n of one operand type. */
+#define MX_WGMMA_FORM(TA, N, KTYPES, TAIL)                                                                   \
+    template <> struct sm90_wgmma<TA, N> {                                                                  \
+        static __device__ __forceinline__ void run(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,     \
+                                                   int scale_d)                                             \
+        {                                                                                                   \
+            MX_WGMMA_M64N##N(KTYPES, TAIL);                                                                 \
+        }                                                                                                   \
+    };
+#define MX_WGMMA_FORMS(TA, KTYPES, TAIL)                                                                     \
+    MX_WGMMA_FORM(TA, 16, KTYPES, TAIL)                                                                     \
+    MX_WGMMA_FORM(TA, 32, KTYPES, TAIL)                                                                     \
+    MX_WGMMA_FORM(TA, 48, KTYPES, TAIL)                                                                     \
+    MX_WGMMA_FORM(TA, 64, KTYPES, TAIL)                                                                     \
+    MX_WGMMA_FORM(TA, 128, KTYPES, TAIL)                                                                    \
+    MX_WGMMA_FORM(TA, 256, KTYPES, TAIL)
+MX_WGMMA_FORMS(__nv_bfloat16, "k16.f32.bf16.bf16", "1, 1, 0, 0")
+MX_WGMMA_FORMS(__half, "k16.f32.f16.f16", "1, 1, 0, 0")
+MX_WGMMA_FORMS(__nv_fp8_e4m3, "k32.f32.e4m3.e4m3", "1, 1")
+#undef MX_WGMMA_FORMS
+#undef MX_WGMMA_FORM
 
 
 /* amax step over the two values of a stored pair, as rounded to T. */
