@@ -153,25 +153,35 @@ cudaError_t mx_launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
-/* 1 when the current device can launch dependents (compute capability 9.0
- * or later); cached per device. */
-inline bool mx_dependent_launch_available()
+/* probe(device) for the current device, asked once per device and kept in
+ * the caller's state (0 unknown, 1 yes, 2 no); false when no device is
+ * current. Clears the errors the probe leaves. */
+template <typename Probe> bool mx_device_property(std::atomic<int> (&state)[64], Probe probe)
 {
-    static std::atomic<int> state[64]; /* 0 unknown, 1 yes, 2 no */
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) {
         cudaGetLastError();
         return false;
     }
-    const int known = state[device & 63].load(std::memory_order_relaxed);
+    std::atomic<int> &slot = state[device & 63];
+    const int known = slot.load(std::memory_order_relaxed);
     if (known)
         return known == 1;
-    int major = 0;
-    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                     major >= 9;
+    const bool yes = probe(device);
     cudaGetLastError();
-    state[device & 63].store(yes ? 1 : 2, std::memory_order_relaxed);
+    slot.store(yes ? 1 : 2, std::memory_order_relaxed);
     return yes;
+}
+
+/* 1 when the current device can launch dependents (compute capability 9.0
+ * or later). */
+inline bool mx_dependent_launch_available()
+{
+    static std::atomic<int> state[64];
+    return mx_device_property(state, [](int device) {
+        int major = 0;
+        return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+    });
 }
 
 /* The pipeline's small kernels (routing, sorting, quantizers, the top-k

@@ -5,32 +5,23 @@
 
 extern "C" int mx_cuda_sm90_gemm_available(void)
 {
-    static std::atomic<int> state[64]; /* per device: 0 unknown, 1 yes, 2 no */
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    const int slot = device & 63;
-    const int known = state[slot].load(std::memory_order_relaxed);
-    if (known)
-        return known == 1;
-    int major = 0, minor = 0;
-    cudaFuncAttributes attr;
-    memset(&attr, 0, sizeof attr);
-    int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-             major == 9 && minor == 0 &&
-             cudaFuncGetAttributes(&attr, grouped_gemm_sm90_kernel<__nv_bfloat16, __nv_bfloat16, mx_tile_sm90, MX_GEMM_DOWN, MX_QUANT_NONE>) ==
-                 cudaSuccess;
-    cudaGetLastError();
-    /* The code the device runs must come from the sm_90a pass: PTX JIT-compiled
-     * from an older virtual architecture reports ptxVersion < 90 and holds
-     * only the trapping stub. (A build targeting plain sm_90 without the 'a'
-     * suffix would also hold the stub; setup.py builds 90a.) */
-    ok = ok && attr.binaryVersion == 90 && attr.ptxVersion >= 90 && sm90_encode_tiled() != nullptr;
-    state[slot].store(ok ? 1 : 2, std::memory_order_relaxed);
-    return ok;
+    static std::atomic<int> state[64];
+    return mx_device_property(state, [](int device) {
+        int major = 0, minor = 0;
+        cudaFuncAttributes attr;
+        memset(&attr, 0, sizeof attr);
+        const bool sm90 =
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+            major == 9 && minor == 0 &&
+            cudaFuncGetAttributes(&attr, grouped_gemm_sm90_kernel<__nv_bfloat16, __nv_bfloat16, mx_tile_sm90,
+                                                                  MX_GEMM_DOWN, MX_QUANT_NONE>) == cudaSuccess;
+        /* The code the device runs must come from the sm_90a pass: PTX JIT-compiled
+         * from an older virtual architecture reports ptxVersion < 90 and holds
+         * only the trapping stub. (A build targeting plain sm_90 without the 'a'
+         * suffix would also hold the stub; setup.py builds 90a.) */
+        return sm90 && attr.binaryVersion == 90 && attr.ptxVersion >= 90 && sm90_encode_tiled() != nullptr;
+    });
 }
 
 extern "C" mx_status mx_cuda_grouped_gemm_bf16_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config,
