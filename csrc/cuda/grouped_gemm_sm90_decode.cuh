@@ -383,14 +383,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
     /* A rows by TMA: LINEAR the rows of a (TMA zero-fills the last tile); DOWN
      * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
      * then the weight map again, never read. */
-    const bool rows_from_x = KIND != MX_GEMM_DOWN && KIND != MX_GEMM_LINEAR;
     CUtensorMap map_a, map_w;
-    if (!sm90_operand_maps<TA>(rows_from_x ? g.w : g.a, g.lda,
-                               KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT, Shape::kBlockT, g.w, g.k,
-                               g.n_rows, local_experts, 64, &map_a, &map_w, &st))
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st))
         return st;
-    if (rows_from_x)
+    if (KIND != MX_GEMM_DOWN && KIND != MX_GEMM_LINEAR)
         map_a = map_w;
+    else if (!sm90_rows_map<TA>(g.a, g.lda, KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
+                                Shape::kBlockT, g.k, &map_a, &st))
+        return st;
     return mx_check_call(mx_launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(Shape::kThreads),
                                              Shape::kSmemBytes, stream, map_a, map_w, g, sc, static_cast<int>(m_tiles),
                                              static_cast<int>(n_tiles), static_cast<int>(kb_per_split)),

@@ -562,8 +562,8 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     if (st.code != MX_OK)
         return st;
     CUtensorMap map_a, map_w;
-    if (!sm90_operand_maps<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.w, g.k, g.n_rows, local_experts,
-                               BN / 2, &map_a, &map_w, &st))
+    if (!sm90_rows_map<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st) ||
+        !sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, &map_w, &st))
         return st;
     int device = 0;
     st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");

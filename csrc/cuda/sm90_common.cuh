@@ -387,41 +387,47 @@ template <> struct sm90_dtype<__nv_fp8_e4m3> {
     static const char *name() { return "e4m3"; }
 };
 
-/* Tensor maps of a GEMM's operands, 128-byte K boxes: A [a_rows, k] (row
- * stride lda elements, boxes of a_box_rows rows) and W [experts, n_rows, k]
- * (boxes of w_box_rows rows of one expert). 0 => error (message in *st). */
+/* Tensor map of A [a_rows, k] (row stride lda elements of TA), 128-byte K
+ * boxes of a_box_rows rows. 0 => error (message in *st). */
 template <typename TA>
-int sm90_operand_maps(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, const void *w, int64_t k,
-                      int64_t n_rows, int64_t experts, int w_box_rows, CUtensorMap *map_a, CUtensorMap *map_w,
-                      mx_status *st)
+int sm90_rows_map(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, int64_t k, CUtensorMap *map,
+                  mx_status *st)
 {
-    const uint32_t bk = 128 / sizeof(TA);
-    sm90_map_key ka;
-    memset(&ka, 0, sizeof ka);
-    ka.addr = a;
-    ka.dtype = sm90_dtype<TA>::kMap;
-    ka.rank = 2;
-    ka.dims[0] = static_cast<uint64_t>(k);
-    ka.dims[1] = static_cast<uint64_t>(a_rows);
-    ka.dims[2] = 1;
-    ka.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
-    ka.box[0] = bk;
-    ka.box[1] = static_cast<uint32_t>(a_box_rows);
-    ka.box[2] = 1;
-    sm90_map_key kw;
-    memset(&kw, 0, sizeof kw);
-    kw.addr = w;
-    kw.dtype = sm90_dtype<TA>::kMap;
-    kw.rank = 3;
-    kw.dims[0] = static_cast<uint64_t>(k);
-    kw.dims[1] = static_cast<uint64_t>(n_rows);
-    kw.dims[2] = static_cast<uint64_t>(experts);
-    kw.strides[0] = static_cast<uint64_t>(k) * sizeof(TA);
-    kw.strides[1] = static_cast<uint64_t>(n_rows * k) * sizeof(TA);
-    kw.box[0] = bk;
-    kw.box[1] = static_cast<uint32_t>(w_box_rows);
-    kw.box[2] = 1;
-    return sm90_tensor_map(ka, map_a, st) && sm90_tensor_map(kw, map_w, st);
+    sm90_map_key key;
+    memset(&key, 0, sizeof key);
+    key.addr = a;
+    key.dtype = sm90_dtype<TA>::kMap;
+    key.rank = 2;
+    key.dims[0] = static_cast<uint64_t>(k);
+    key.dims[1] = static_cast<uint64_t>(a_rows);
+    key.dims[2] = 1;
+    key.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
+    key.box[0] = 128 / sizeof(TA);
+    key.box[1] = static_cast<uint32_t>(a_box_rows);
+    key.box[2] = 1;
+    return sm90_tensor_map(key, map, st);
+}
+
+/* Tensor map of W [experts, n_rows, k], 128-byte K boxes of w_box_rows rows
+ * of one expert. 0 => error (message in *st). */
+template <typename TA>
+int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, int w_box_rows, CUtensorMap *map,
+                    mx_status *st)
+{
+    sm90_map_key key;
+    memset(&key, 0, sizeof key);
+    key.addr = w;
+    key.dtype = sm90_dtype<TA>::kMap;
+    key.rank = 3;
+    key.dims[0] = static_cast<uint64_t>(k);
+    key.dims[1] = static_cast<uint64_t>(n_rows);
+    key.dims[2] = static_cast<uint64_t>(experts);
+    key.strides[0] = static_cast<uint64_t>(k) * sizeof(TA);
+    key.strides[1] = static_cast<uint64_t>(n_rows * k) * sizeof(TA);
+    key.box[0] = 128 / sizeof(TA);
+    key.box[1] = static_cast<uint32_t>(w_box_rows);
+    key.box[2] = 1;
+    return sm90_tensor_map(key, map, st);
 }
 
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
