@@ -25,10 +25,9 @@ extern "C" mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *e
                                        int32_t *counts, int32_t *cursor, int32_t *sorted_ids,
                                        int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream)
 {
-    const int use_shared = moe_align_counters_shared(local_experts);
-    const size_t shared = use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(local_experts) : 0;
+    const size_t shared = moe_align_counter_bytes(local_experts);
     return mx_check_call(mx_launch_after(moe_align_kernel, dim3(1), dim3(kAlignThreads), shared, stream, topk_ids,
-                                         expert_map, pairs, global_experts, local_experts, block_m, use_shared, counts,
+                                         expert_map, pairs, global_experts, local_experts, block_m, shared > 0, counts,
                                          cursor, sorted_ids, tile_expert, num_tiles),
                          "moe_align_kernel");
 }

@@ -33,10 +33,12 @@ namespace {
 constexpr int kAlignThreads = 1024;
 constexpr int kAlignSharedBytes = 48 * 1024;
 
-/* 1 when moe_align's counters (2 * E_local ints) live in shared memory. */
-inline int moe_align_counters_shared(int64_t local_experts)
+/* Shared-memory bytes of moe_align's counters (2 * E_local ints), or 0
+ * when they do not fit and live in the workspace. */
+inline size_t moe_align_counter_bytes(int64_t local_experts)
 {
-    return 2 * sizeof(int32_t) * static_cast<size_t>(local_experts) <= kAlignSharedBytes;
+    const size_t bytes = 2 * sizeof(int32_t) * static_cast<size_t>(local_experts);
+    return bytes <= kAlignSharedBytes ? bytes : 0;
 }
 
 /* Inclusive prefix sum over the block; all threads get their own value. */

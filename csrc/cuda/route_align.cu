@@ -61,37 +61,35 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
 {
     const int64_t pairs = p->num_tokens * p->top_k;
     const mx_routing_problem *r = p->routing;
-    if (!r)
-        return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts,
-                                 block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
-    mx_status st;
-    if (route_check(r, &st))
-        return st;
-    if (r->num_tokens != p->num_tokens || r->top_k != p->top_k || r->num_experts != p->global_num_experts ||
-        r->topk_ids != p->topk_ids || r->topk_weights != p->topk_weights)
-        return mx_status_fail(MX_ERR_VALUE, "route_and_align: the routing problem does not match the experts' "
-                              "(M, top_k, E, outputs)");
-    const int use_shared = moe_align_counters_shared(p->num_local_experts);
-    const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
-                        (use_shared ? 2 * sizeof(int32_t) * static_cast<size_t>(p->num_local_experts) : 0) +
-                        sizeof(int32_t) * static_cast<size_t>(pairs);
-    if (r->num_tokens > kFusedMaxTokens || smem > kFusedMaxSmem) {
+    if (r) {
+        mx_status st;
+        if (route_check(r, &st))
+            return st;
+        if (r->num_tokens != p->num_tokens || r->top_k != p->top_k || r->num_experts != p->global_num_experts ||
+            r->topk_ids != p->topk_ids || r->topk_weights != p->topk_weights)
+            return mx_status_fail(MX_ERR_VALUE, "route_and_align: the routing problem does not match the experts' "
+                                  "(M, top_k, E, outputs)");
+        const size_t counters = moe_align_counter_bytes(p->num_local_experts);
+        const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) + counters +
+                            sizeof(int32_t) * static_cast<size_t>(pairs);
+        if (r->num_tokens <= kFusedMaxTokens && smem <= kFusedMaxSmem) {
+            static std::atomic<unsigned long long> configured{0};
+            if (smem > 48 * 1024) {
+                st = mx_opt_in_smem(route_align_kernel, kFusedMaxSmem, configured, "route_align_kernel");
+                if (st.code != MX_OK)
+                    return st;
+            }
+            const int group = route_group_threads(r->num_experts);
+            const int group_threads = group && group * r->num_tokens <= kAlignThreads ? group : 0;
+            return mx_check_call(mx_launch_after(route_align_kernel, dim3(1), dim3(kAlignThreads), smem, stream, *r,
+                                                 group_threads, p->expert_map, p->num_local_experts, block_m,
+                                                 counters > 0, counts, cursor, sorted_ids, tile_expert, num_tiles),
+                                 "route_align_kernel");
+        }
         st = mx_cuda_route(r, stream);
         if (st.code != MX_OK)
             return st;
-        return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts,
-                                 block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
     }
-    static std::atomic<unsigned long long> configured{0};
-    if (smem > 48 * 1024) {
-        st = mx_opt_in_smem(route_align_kernel, kFusedMaxSmem, configured, "route_align_kernel");
-        if (st.code != MX_OK)
-            return st;
-    }
-    const int group = route_group_threads(r->num_experts);
-    const int group_threads = group && group * r->num_tokens <= kAlignThreads ? group : 0;
-    return mx_check_call(mx_launch_after(route_align_kernel, dim3(1), dim3(kAlignThreads), smem, stream, *r,
-                                         group_threads, p->expert_map, p->num_local_experts, block_m, use_shared, counts, cursor,
-                                         sorted_ids, tile_expert, num_tiles),
-                         "route_align_kernel");
+    return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts, block_m,
+                             counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
 }
