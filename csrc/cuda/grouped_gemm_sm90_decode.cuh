@@ -85,8 +85,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     /* launched dependent (common.cuh): GEMM2 and LINEAR know their weight
      * tiles before the previous kernel ends (the tile table is older), GEMM1
      * reads the tile table the previous kernel (moe_align) writes */
-    constexpr bool kWeightsBeforeWait = !kRowsFromX;
-    if (!kWeightsBeforeWait) {
+    if (kRowsFromX) {
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
@@ -177,7 +176,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         for (int kb = kb0; kb < first_end; ++kb)
             issue_w(kb);
     }
-    if (kWeightsBeforeWait) { /* A comes from the previous kernel */
+    if (!kRowsFromX) { /* A comes from the previous kernel */
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
