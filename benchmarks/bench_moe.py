@@ -340,6 +340,13 @@ def layer_bytes(layer):
     return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
+def touched_weights(m, dtype, logits, correction_bias):
+    """(experts the routing of logits hits, their weight bytes in dtype, biases included)."""
+    hit = route(logits, m, correction_bias)[1].unique().numel()
+    per_expert = 3 * m.H * m.I + (2 * m.I + m.H if m.has_bias else 0)
+    return hit, hit * per_expert * (2 if dtype == "bf16" else 1)
+
+
 def copies_needed(weight_bytes, one_layer_bytes, held, l2_bytes):
     """Layer copies to rotate over so that the weights touched add up to 4x L2, as far as free
     memory (less MEMORY_RESERVE) allows."""
@@ -370,10 +377,7 @@ class Case:
                      if M > REF_ROWS else slice(None))
         self.ref = reference(self.x[self.rows], self.logits[self.rows], m, weights,
                              correction_bias)
-        self.experts_hit = route(self.logits, m, correction_bias)[1].unique().numel()
-        bytes_per_elem = 2 if dtype == "bf16" else 1
-        per_expert = 3 * m.H * m.I + (2 * m.I + m.H if m.has_bias else 0)
-        self.weight_bytes = self.experts_hit * per_expert * bytes_per_elem
+        self.experts_hit, self.weight_bytes = touched_weights(m, dtype, self.logits, correction_bias)
         self.flops = 2 * M * m.top_k * 3 * m.H * m.I
 
     def point(self, method, copies):

@@ -50,8 +50,7 @@ def build_point(moe_ext, spec, l2_bytes):
     layers = [bench_moe.fill_layer(bench_moe.new_layer(moe_ext, m, dtype, bias), weights, m, dtype)]
     x = torch.randn(M, m.H, generator=gen, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(M, m.E, generator=gen, device="cuda")
-    hit = bench_moe.route(logits, m, bias)[1].unique().numel()
-    touched = hit * 3 * m.H * m.I * (2 if dtype == "bf16" else 1)
+    _, touched = bench_moe.touched_weights(m, dtype, logits, bias)
     copies = bench_moe.copies_needed(touched, bench_moe.layer_bytes(layers[0]), 1, l2_bytes)
     while len(layers) < copies:
         layers.append(bench_moe.fill_layer(bench_moe.new_layer(moe_ext, m, dtype, bias), weights, m,
