@@ -301,15 +301,22 @@ def test_fp8_moe_multiblock_sizes(method, device, gen):
     compare(layer(x, logits), want, margin, FP8_TOL, f"fp8 {method} H={h} I={i}")
 
 
+def routed_case(gen, style, method, device, m):
+    """The FP8 layer of `style` (default sizes) loaded from a random bf16 checkpoint, m random
+    tokens, their logits and their routing."""
+    model, layer = fp8_model(style, method, device)
+    ckpt, _ = checkpoint(gen, style, e=E, h=H, i=I, dtype=torch.bfloat16)
+    vllm_load(model, ckpt, style)
+    x = randn(gen, m, H, dtype=torch.bfloat16, device=device)
+    logits = randn(gen, m, E, device=device, scale=2.0)
+    topk_weights, topk_ids = FusedMoE.select_experts(x, logits, K, False, True)
+    return layer, x, logits, topk_weights, topk_ids
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_moe_apply_matches_forward(method, device, gen):
     """quant_method.apply(layer, x, topk_weights, topk_ids) is the forward after routing."""
-    model, layer = fp8_model("qwen", method, device)
-    ckpt, _ = checkpoint(gen, "qwen", e=E, h=H, i=I, dtype=torch.bfloat16)
-    vllm_load(model, ckpt, "qwen")
-    x = randn(gen, 33, H, dtype=torch.bfloat16, device=device)
-    logits = randn(gen, 33, E, device=device, scale=2.0)
-    topk_weights, topk_ids = FusedMoE.select_experts(x, logits, K, False, True)
+    layer, x, logits, topk_weights, topk_ids = routed_case(gen, "qwen", method, device, 33)
     out = layer.quant_method.apply(layer, x, topk_weights, topk_ids)
     want = ref.fp8_experts(x.cpu(), *(w.cpu() for w in dequantized(layer)), topk_weights.cpu(),
                            topk_ids.cpu(), block=method == "block", act_dtype=torch.bfloat16)
@@ -322,12 +329,7 @@ def test_fp8_moe_apply_matches_forward(method, device, gen):
 def test_functional_fused_experts_fp8(method, device, gen):
     """vLLM's functional fused_experts with float8 weights and w1_scale / w2_scale (and
     block_shape) computes what the FP8 layer holding those weights computes."""
-    model, layer = fp8_model("mixtral", method, device)
-    ckpt, _ = checkpoint(gen, "mixtral", e=E, h=H, i=I, dtype=torch.bfloat16)
-    vllm_load(model, ckpt, "mixtral")
-    x = randn(gen, 21, H, dtype=torch.bfloat16, device=device)
-    logits = randn(gen, 21, E, device=device, scale=2.0)
-    topk_weights, topk_ids = FusedMoE.select_experts(x, logits, K, False, True)
+    layer, x, logits, topk_weights, topk_ids = routed_case(gen, "mixtral", method, device, 21)
     scales = [layer._parameters[n] for n in layer._fp8_scale_names]
     out = moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                 w1_scale=scales[0], w2_scale=scales[1],
