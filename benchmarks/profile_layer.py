@@ -5,10 +5,13 @@ moe_ext.FusedMoE on points of the perf grid, next to the CUDA-graph time of the 
 
     python3 benchmarks/profile_layer.py qwen3moe/bf16/1 mixtral/fp8_tensor/64
 
-Prints, per point: graph us, the sum of kernel us (the rest is launch gaps), and each kernel's
-mean us per forward. Writes the same as JSON with --out. Kernels launched dependent (they may
-start before the kernel ahead of them ends) count their waiting time too. With --eager the
-points' forwards only run, 4 times each, for an outside profiler:
+The profiled forwards replay from a CUDA graph, so kernels follow each other as in the benchmark.
+Prints, per point: graph us, host us, and per kernel (in stream order) its mean duration and its
+share of the critical path: end minus the later of its start and the previous kernel's end. A
+kernel launched dependent may start before the kernel ahead of it ends; its duration then counts
+its waiting time, its share does not, and the shares add up to the forward's GPU time. Writes the
+same as JSON with --out. With --eager the points' forwards only run, 4 times each, for an outside
+profiler:
 
     ncu --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
         python3 benchmarks/profile_layer.py --eager qwen3moe/bf16/512
@@ -16,7 +19,6 @@ points' forwards only run, 4 times each, for an outside profiler:
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -58,27 +60,45 @@ def build_point(moe_ext, spec, l2_bytes):
     return layers, x, logits, touched
 
 
+def kernel_shares(events, forwards):
+    """{kernel: [mean duration us, mean critical-path share us]} over the profiled kernels, in
+    stream order (one stream: sorted by start)."""
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    table = {}
+    previous_end = None
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        share = end - (start if previous_end is None else max(start, previous_end))
+        row = table.setdefault(short_name(e.name), [0.0, 0.0])
+        row[0] += (end - start) / forwards
+        row[1] += share / forwards
+        previous_end = end if previous_end is None else max(end, previous_end)
+    return table
+
+
 def profile_point(moe_ext, spec, l2_bytes):
     layers, x, logits, touched = build_point(moe_ext, spec, l2_bytes)
     copies = len(layers)
-    graph_us = 1e3 * bench_moe.time_graph(lambda: [layer(x, logits) for layer in layers]) / copies
-    for layer in layers:
-        layer(x, logits)
+    forward_all = lambda: [layer(x, logits) for layer in layers]  # noqa: E731
+    graph_us = 1e3 * bench_moe.time_graph(forward_all) / copies
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward_all()
+    replays = max(1, ITERS // copies)
+    graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(ITERS):
-            layers[i % copies](x, logits)
+        for _ in range(replays):
+            graph.replay()
         torch.cuda.synchronize()
-    per_kernel = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[short_name(event.name)] += event.device_time / ITERS
+    per_kernel = kernel_shares(prof.events(), replays * copies)
     host_us = bench_moe.host_overhead_us(lambda: layers[0](x, logits))
-    del layers
+    del graph, layers
     torch.cuda.empty_cache()
-    return {"point": spec, "graph_us": graph_us, "kernel_sum_us": sum(per_kernel.values()),
-            "host_us": host_us, "weight_bytes": touched, "copies": copies,
-            "kernels": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))}
+    return {"point": spec, "graph_us": graph_us, "host_us": host_us, "weight_bytes": touched,
+            "copies": copies, "kernel_share_sum_us": sum(v[1] for v in per_kernel.values()),
+            "kernels": {name: {"duration_us": d, "share_us": sh} for name, (d, sh) in per_kernel.items()}}
 
 
 def main(argv=None):
@@ -101,10 +121,10 @@ def main(argv=None):
     for spec in args.points:
         r = profile_point(moe_ext, spec, l2_bytes)
         results.append(r)
-        print(f"{spec}: graph {r['graph_us']:.1f} us, kernels {r['kernel_sum_us']:.1f} us, "
-              f"host {r['host_us']:.1f} us ({r['copies']} copies)")
-        for name, us in r["kernels"].items():
-            print(f"    {us:8.1f} us  {name}")
+        print(f"{spec}: graph {r['graph_us']:.1f} us, shares {r['kernel_share_sum_us']:.1f} us, "
+              f"host {r['host_us']:.1f} us ({r['copies']} copies); duration / share us:")
+        for name, k in r["kernels"].items():
+            print(f"    {k['duration_us']:7.1f} {k['share_us']:7.1f}  {name}")
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(0), "commit": bench_moe.git_commit()}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
