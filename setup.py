@@ -8,12 +8,14 @@ tensors arrive through DLPack.
 Environment:
   MOE_EXT_CUDA=0            build the CPU-only module even when nvcc exists
   MOE_EXT_CUDA_ARCHS="..."  GPU targets, ';'-separated (default "80;89;90a")
+  MOE_EXT_BUILD_JOBS        nvcc processes at once (default: the CPU count)
   CUDA_HOME                 toolkit root (default: from nvcc on PATH, else /usr/local/cuda)
 """
 import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from glob import glob
 
 from setuptools import Extension, setup
@@ -54,14 +56,18 @@ class BuildExtWithCuda(build_ext):
             archs = os.environ.get("MOE_EXT_CUDA_ARCHS", "80;89;90a")
             out_dir = os.path.join(self.build_temp, "cuda")
             os.makedirs(out_dir, exist_ok=True)
+            commands = []
             for src in cuda_sources:
                 obj = os.path.join(out_dir, os.path.basename(src) + ".o")
-                cmd = [nvcc, "-c", src, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
-                       "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc", "include"),
-                       *gencode_flags(archs)]
-                print(" ".join(cmd), flush=True)
-                subprocess.check_call(cmd)
+                commands.append([nvcc, "-c", src, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+                                 "--expt-relaxed-constexpr", "-I", os.path.join(ROOT, "csrc", "include"),
+                                 *gencode_flags(archs)])
                 ext.extra_objects.append(obj)
+            jobs = int(os.environ.get("MOE_EXT_BUILD_JOBS", os.cpu_count() or 1))
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                for cmd in commands:
+                    print(" ".join(cmd), flush=True)
+                list(pool.map(subprocess.check_call, commands))
             lib_dir = os.path.join(cuda_home, "lib64")
             if not os.path.isdir(lib_dir):
                 lib_dir = os.path.join(cuda_home, "targets", "x86_64-linux", "lib")
