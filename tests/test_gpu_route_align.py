@@ -56,3 +56,33 @@ def test_routing_outputs_match_standalone_route(gen):
         scoring_func="sigmoid", routed_scaling_factor=2.5,
         e_score_correction_bias=layer.e_score_correction_bias)
     assert torch.equal(layer(x, logits), layer.forward_routed(x, weights, ids))
+
+
+@pytest.mark.parametrize("e,k", [(100, 6), (300, 5)])
+@pytest.mark.parametrize("m", [3, 40])
+def test_routing_beyond_register_experts(e, k, m, gen):
+    """Up to 256 experts a lane keeps its experts in registers (E = 100: 4 per lane); past 256
+    the rows live in shared memory. Both, fused (M <= 32) and not."""
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(top_k=k), False, h=64, i=32)
+    x = randn(gen, m, 64, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+    assert launches(layer, x, logits) == (m <= 32, m > 32)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_sort_split_over_chunks_past_8192_pairs(cfg, gen):
+    """Past 8192 (token, slot) pairs the sort runs as count / scan / scatter launches over
+    chunks of the pairs (csrc/cuda/moe_align.cu); the same results as the reference."""
+    _, e, k, kw, corr = cfg
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=32, i=16)
+    m = 8192 // k + 37
+    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+    names = kernels_of(lambda: layer(x, logits))
+    assert all(any(n in name for name in names) for n in
+               ("moe_align_count_kernel", "moe_align_scan_kernel", "moe_align_scatter_kernel"))
+    assert not any("moe_align_kernel" in name for name in names)

@@ -22,7 +22,7 @@
  *
  * Workspace (each piece 256-byte aligned), rows_max = tiles_max * block_m,
  * tiles_max = floor(M k / block_m) + min(E_local, M k):
- *   counts, cursor   int32 [E_local]     moe_align's counters (when not in shared memory)
+ *   align            int32 [max(2, chunks) E_local]  moe_align's counters (moe_align.cu)
  *   num_tiles        int32 [1]
  *   tile_expert      int32 [tiles_max]
  *   sorted_ids       int32 [rows_max]
@@ -45,7 +45,7 @@ typedef struct experts_plan {
     int64_t pairs, tiles_max, rows_max, ld_act;
     int down_splits;          /* GEMM2 split-K slices (1 = none) */
     int64_t down_split_len;
-    size_t off_counts, off_cursor, off_num_tiles, off_tile_expert, off_sorted_ids, off_x_scaled, off_act, off_y;
+    size_t off_align, off_num_tiles, off_tile_expert, off_sorted_ids, off_x_scaled, off_act, off_y;
     size_t total_bytes;
 } experts_plan;
 
@@ -72,8 +72,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     }
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
-    plan->off_counts = mx_ws_take(&at, sizeof(int32_t) * local);
-    plan->off_cursor = mx_ws_take(&at, sizeof(int32_t) * local);
+    plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(pairs, local));
     plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
@@ -166,8 +165,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): M * top_k = %lld pairs exceed int32 indexing",
                               (long long)plan.pairs);
     unsigned char *ws = static_cast<unsigned char *>(workspace);
-    int32_t *counts = reinterpret_cast<int32_t *>(ws + plan.off_counts);
-    int32_t *cursor = reinterpret_cast<int32_t *>(ws + plan.off_cursor);
+    int32_t *align_ws = reinterpret_cast<int32_t *>(ws + plan.off_align);
     int32_t *num_tiles = reinterpret_cast<int32_t *>(ws + plan.off_num_tiles);
     int32_t *tile_expert = reinterpret_cast<int32_t *>(ws + plan.off_tile_expert);
     int32_t *sorted_ids = reinterpret_cast<int32_t *>(ws + plan.off_sorted_ids);
@@ -176,7 +174,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
     const int64_t H = p->hidden_size, I = p->intermediate_size;
 
-    st = mx_cuda_route_and_align(p, plan.block_m, counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
+    st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles, stream);
     if (st.code != MX_OK)
         return st;
 

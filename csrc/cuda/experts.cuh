@@ -73,17 +73,18 @@ typedef struct mx_gemm_args {
 extern "C" {
 #endif
 
-/* moe_align.cu. counts/cursor: [local_experts] int32 scratch; sorted_ids:
- * [rows_max]; tile_expert: [tiles_max]; num_tiles: [1]. */
+/* moe_align.cu. align_ws: mx_moe_align_workspace_bytes(pairs,
+ * local_experts) of int32 scratch; sorted_ids: [rows_max]; tile_expert:
+ * [tiles_max]; num_tiles: [1]. */
+size_t mx_moe_align_workspace_bytes(int64_t pairs, int64_t local_experts);
 mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, int64_t pairs,
-                            int64_t global_experts, int64_t local_experts, int block_m, int32_t *counts,
-                            int32_t *cursor, int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
-                            cudaStream_t stream);
+                            int64_t global_experts, int64_t local_experts, int block_m, int32_t *align_ws,
+                            int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream);
 
 /* route_align.cu: routing when p->routing is set (fused with the sort into
  * one launch when M is small), then the sort of mx_cuda_moe_align with
  * p's ids, experts and pairs. */
-mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *counts, int32_t *cursor,
+mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *align_ws,
                                   int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
                                   cudaStream_t stream);
 

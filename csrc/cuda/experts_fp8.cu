@@ -34,7 +34,7 @@
  *
  * Workspace (each piece 256-byte aligned), tiles_max = floor(M k / block_m)
  * + min(E_local, M k), rows_max = tiles_max * block_m:
- *   counts, cursor   int32 [E_local]              moe_align's counters
+ *   align            int32 [max(2, chunks) E_local]  moe_align's counters (moe_align.cu)
  *   num_tiles        int32 [1]
  *   scalars          act_amax (u32 bits), x_scale, act_scale (TENSOR)
  *   partials         f32 [mx_fp8_amax_parts(M)]   TENSOR: amax of x per block
@@ -67,7 +67,7 @@ typedef struct fp8_plan {
     int64_t ld_xq, ld_act, ld_aq, x_blocks, act_blocks;
     int down_splits;
     int64_t down_split_len;
-    size_t off_counts, off_cursor, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids,
+    size_t off_align, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids,
         off_x_scaled, off_x_q, off_x_q_sorted, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
     size_t total_bytes;
 } fp8_plan;
@@ -94,8 +94,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
     size_t at = 0;
-    plan->off_counts = mx_ws_take(&at, sizeof(int32_t) * local);
-    plan->off_cursor = mx_ws_take(&at, sizeof(int32_t) * local);
+    plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(plan->pairs, local));
     plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
     plan->off_scalars = mx_ws_take(&at, 3 * sizeof(float));
     plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
@@ -156,8 +155,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
                               (long long)plan.pairs);
 
     unsigned char *ws = static_cast<unsigned char *>(workspace);
-    int32_t *counts = reinterpret_cast<int32_t *>(ws + plan.off_counts);
-    int32_t *cursor = reinterpret_cast<int32_t *>(ws + plan.off_cursor);
+    int32_t *align_ws = reinterpret_cast<int32_t *>(ws + plan.off_align);
     int32_t *num_tiles = reinterpret_cast<int32_t *>(ws + plan.off_num_tiles);
     uint32_t *act_amax = reinterpret_cast<uint32_t *>(ws + plan.off_scalars);
     float *x_tensor_scale = reinterpret_cast<float *>(ws + plan.off_scalars) + 1;
@@ -174,7 +172,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *act_scale = reinterpret_cast<float *>(ws + plan.off_act_scale);
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
 
-    mx_status st = mx_cuda_route_and_align(p, plan.block_m, counts, cursor, sorted_ids, tile_expert, num_tiles,
+    mx_status st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles,
                                            stream);
     if (st.code != MX_OK)
         return st;

@@ -19,7 +19,9 @@
  *
  * One block of 1024 threads does everything in three phases separated by
  * __syncthreads (count, prefix sum over the padded counts, scatter), so no
- * memset and no second launch is needed. Counters live in shared memory when
+ * memset and no second launch is needed. moe_align_warp runs the same three
+ * phases in one warp, for the few pairs of decode (route_align.cu), where
+ * the block's barriers cost more than the work. Counters live in shared memory when
  * 2 * E_local ints fit in 48 KB, else in the workspace (counts, cursor); the
  * kernel zeroes them itself. The single block reads topk_ids twice: a few
  * microseconds up to ~10^5 pairs. */
@@ -66,6 +68,44 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
     return v + (warp > 0 ? warp_totals[warp - 1] : 0);
 }
 
+/* Phase 2 of the sort by the whole block of kAlignThreads threads: from
+ * counts[E] (complete), expert e's segment starts at start[e] (a multiple of
+ * block_m, experts in order without gaps); writes the tile table, the -1
+ * padding after each segment's count rows and num_tiles. Every thread
+ * calls it; start may alias nothing else. */
+__device__ __forceinline__ void moe_align_segments(const int32_t *counts, int E, int block_m, int32_t *start,
+                                                   int32_t *__restrict__ sorted_ids,
+                                                   int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+{
+    __shared__ int warp_totals[32];
+    __shared__ int carry;
+    const int tid = threadIdx.x;
+    if (tid == 0)
+        carry = 0;
+    __syncthreads();
+    for (int base = 0; base < E; base += kAlignThreads) {
+        const int e = base + tid;
+        const int count = e < E ? counts[e] : 0;
+        const int tiles = (count + block_m - 1) / block_m;
+        const int incl = block_inclusive_scan(tiles, warp_totals);
+        const int first_tile = carry + incl - tiles;
+        if (e < E) {
+            const int first_row = first_tile * block_m;
+            start[e] = first_row;
+            for (int i = 0; i < tiles; ++i)
+                tile_expert[first_tile + i] = e;
+            for (int r = first_row + count; r < first_row + tiles * block_m; ++r)
+                sorted_ids[r] = -1;
+        }
+        __syncthreads(); /* everyone has read carry and warp_totals */
+        if (tid == kAlignThreads - 1)
+            carry += incl;
+        __syncthreads();
+    }
+    if (tid == 0)
+        *num_tiles = carry;
+}
+
 /* The whole sort by one block of kAlignThreads threads. align_smem: 2 * E
  * ints of shared memory when use_shared. topk_ids may be global or shared
  * memory (route_align.cu passes its copy, written earlier in the kernel). */
@@ -75,8 +115,6 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
                                                 int32_t *cursor_ws, int32_t *__restrict__ sorted_ids,
                                                 int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
 {
-    __shared__ int warp_totals[32];
-    __shared__ int carry;
     const int tid = threadIdx.x;
     const int E = static_cast<int>(local_experts);
     int32_t *counts = use_shared ? align_smem : counts_ws;
@@ -84,8 +122,6 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
 
     for (int e = tid; e < E; e += kAlignThreads)
         counts[e] = 0;
-    if (tid == 0)
-        carry = 0;
     __syncthreads();
 
     /* phase 1: histogram */
@@ -97,11 +133,47 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
     __syncthreads();
 
     /* phase 2: tiles per expert -> tile offsets; cursors, tile table, padding */
-    for (int base = 0; base < E; base += kAlignThreads) {
-        const int e = base + tid;
+    moe_align_segments(counts, E, block_m, cursor, sorted_ids, tile_expert, num_tiles);
+
+    /* phase 3: scatter */
+    for (int64_t p = tid; p < pairs; p += kAlignThreads) {
+        int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
+        if (e >= 0)
+            sorted_ids[atomicAdd(&cursor[e], 1)] = static_cast<int32_t>(p);
+    }
+}
+
+/* moe_align_block's sort by one warp (lane = threadIdx.x & 31), with the
+ * same outputs; the counters are in shared memory (2 * E ints at
+ * align_smem). Experts go 32 at a time through a warp prefix sum. */
+__device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const int32_t *__restrict__ expert_map,
+                                               int64_t pairs, int64_t global_experts, int64_t local_experts,
+                                               int block_m, int32_t *align_smem, int32_t *__restrict__ sorted_ids,
+                                               int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+{
+    const int lane = threadIdx.x & 31;
+    const int E = static_cast<int>(local_experts);
+    int32_t *counts = align_smem, *cursor = align_smem + E;
+    for (int e = lane; e < E; e += 32)
+        counts[e] = 0;
+    __syncwarp();
+    for (int64_t p = lane; p < pairs; p += 32) {
+        const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
+        if (e >= 0)
+            atomicAdd(&counts[e], 1);
+    }
+    __syncwarp();
+    int carry = 0;
+    for (int base = 0; base < E; base += 32) {
+        const int e = base + lane;
         const int count = e < E ? counts[e] : 0;
         const int tiles = (count + block_m - 1) / block_m;
-        const int incl = block_inclusive_scan(tiles, warp_totals);
+        int incl = tiles;
+        for (int off = 1; off < 32; off <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off)
+                incl += o;
+        }
         const int first_tile = carry + incl - tiles;
         if (e < E) {
             const int start = first_tile * block_m;
@@ -111,17 +183,13 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
             for (int r = start + count; r < start + tiles * block_m; ++r)
                 sorted_ids[r] = -1;
         }
-        __syncthreads(); /* everyone has read carry and warp_totals */
-        if (tid == kAlignThreads - 1)
-            carry += incl;
-        __syncthreads();
+        carry += __shfl_sync(0xffffffffu, incl, 31);
     }
-    if (tid == 0)
+    if (lane == 0)
         *num_tiles = carry;
-
-    /* phase 3: scatter */
-    for (int64_t p = tid; p < pairs; p += kAlignThreads) {
-        int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
+    __syncwarp();
+    for (int64_t p = lane; p < pairs; p += 32) {
+        const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
         if (e >= 0)
             sorted_ids[atomicAdd(&cursor[e], 1)] = static_cast<int32_t>(p);
     }

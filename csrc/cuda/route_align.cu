@@ -3,33 +3,30 @@
  * expert (moe_align.cuh).
  *
  * At decode both are tiny and each launch costs more than its work, so up
- * to kFusedMaxTokens tokens they run as one kernel of one block: warp t
- * routes token t (route_token.cuh; one token per warp, so routing takes no
- * longer than in route_kernel), the block synchronizes, and the same block
- * sorts (moe_align_block, reading the ids just written). When M x E (E
- * rounded to warps) fits the 1024 threads, each token has a group of E
- * threads that ranks its experts in one pass instead (route_token_by_group,
- * as route_kernel does per block). Larger M: the two launches (route_kernel
- * over many blocks, then moe_align_kernel).
+ * to kFusedMaxTokens tokens they run as one kernel of one block of one warp
+ * per token: warp t routes token t (route_token.cuh), the block
+ * synchronizes once, and warp 0 sorts (moe_align_warp, reading the ids just
+ * written). Larger M: the two launches (route_kernel over many blocks, then
+ * moe_align_kernel).
  *
  * Shared memory of the fused kernel: M x 4 x E floats of routing rows, then
- * moe_align's 2 x E_local counters when they fit (else in the workspace),
- * then a copy of the M x k ids, which the sort reads instead of global
- * memory.
- * Over 48 KB it opts in once per device (E = 256, M = 32: 130 KB). */
+ * moe_align's 2 x E_local counters, then a copy of the M x k ids, which the
+ * sort reads instead of global memory. Over 48 KB it opts in once per device
+ * (E = 256, M = 32: 130 KB); past kFusedMaxSmem the two launches run. */
 #include "experts.cuh"
 #include "moe_align.cuh"
 #include "route_token.cuh"
 
 namespace {
 
-constexpr int kFusedMaxTokens = kAlignThreads / 32;
+constexpr int kFusedMaxTokens = 32;
 constexpr size_t kFusedMaxSmem = 160 * 1024;
 
-__global__ void __launch_bounds__(kAlignThreads)
-    route_align_kernel(const mx_routing_problem r, int group_threads, const int32_t *__restrict__ expert_map,
-                       int64_t local_experts, int block_m, int use_shared, int32_t *counts_ws, int32_t *cursor_ws,
-                       int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
+/* EPL: route_experts_per_lane(E) */
+template <int EPL>
+__global__ void __launch_bounds__(32 * kFusedMaxTokens)
+    route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
+                       int block_m, int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
                        int32_t *__restrict__ num_tiles)
 {
     extern __shared__ float route_align_smem[];
@@ -37,27 +34,20 @@ __global__ void __launch_bounds__(kAlignThreads)
     mx_griddep_launch_dependents();
     const size_t rows = 4 * static_cast<size_t>(r.num_experts);
     int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
-    int32_t *ids = counters + (use_shared ? 2 * local_experts : 0); /* the sort reads the ids from here */
-    if (group_threads) { /* token t = threadIdx.x / group_threads */
-        const int t = threadIdx.x / group_threads;
-        const bool live = t < r.num_tokens;
-        route_token_by_group(r, t, route_align_smem + (live ? t : 0) * rows, threadIdx.x % group_threads,
-                             group_threads, live, ids);
-    } else {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        if (warp < r.num_tokens)
-            route_token(r, warp, route_align_smem + warp * rows, lane, ids);
-    }
+    int32_t *ids = counters + 2 * local_experts; /* the sort reads the ids from here */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    route_token<EPL>(r, warp, route_align_smem + warp * rows, lane, ids);
     __syncthreads(); /* the ids in shared memory are complete */
-    moe_align_block(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, use_shared,
-                    counters, counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
+    if (warp == 0)
+        moe_align_warp(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, counters,
+                       sorted_ids, tile_expert, num_tiles);
 }
 
 } /* namespace */
 
-extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *counts,
-                                             int32_t *cursor, int32_t *sorted_ids, int32_t *tile_expert,
-                                             int32_t *num_tiles, cudaStream_t stream)
+extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *align_ws,
+                                             int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
+                                             cudaStream_t stream)
 {
     const int64_t pairs = p->num_tokens * p->top_k;
     const mx_routing_problem *r = p->routing;
@@ -69,21 +59,22 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
             r->topk_ids != p->topk_ids || r->topk_weights != p->topk_weights)
             return mx_status_fail(MX_ERR_VALUE, "route_and_align: the routing problem does not match the experts' "
                                   "(M, top_k, E, outputs)");
-        const size_t counters = moe_align_counter_bytes(p->num_local_experts);
-        const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) + counters +
-                            sizeof(int32_t) * static_cast<size_t>(pairs);
+        const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
+                            sizeof(int32_t) * static_cast<size_t>(2 * p->num_local_experts + pairs);
         if (r->num_tokens <= kFusedMaxTokens && smem <= kFusedMaxSmem) {
-            static std::atomic<unsigned long long> configured{0};
+            const auto kernel = route_pick_experts_per_lane(
+                r->num_experts, [](auto epl) { return &route_align_kernel<decltype(epl)::value>; });
+            static std::atomic<unsigned long long> configured[9]; /* by EPL */
             if (smem > 48 * 1024) {
-                st = mx_opt_in_smem(route_align_kernel, kFusedMaxSmem, configured, "route_align_kernel");
+                st = mx_opt_in_smem(kernel, kFusedMaxSmem, configured[route_experts_per_lane(r->num_experts)],
+                                    "route_align_kernel");
                 if (st.code != MX_OK)
                     return st;
             }
-            const int group = route_group_threads(r->num_experts);
-            const int group_threads = group && group * r->num_tokens <= kAlignThreads ? group : 0;
-            return mx_check_call(mx_launch_after(route_align_kernel, dim3(1), dim3(kAlignThreads), smem, stream, *r,
-                                                 group_threads, p->expert_map, p->num_local_experts, block_m,
-                                                 counters > 0, counts, cursor, sorted_ids, tile_expert, num_tiles),
+            const unsigned threads = 32 * static_cast<unsigned>(r->num_tokens);
+            return mx_check_call(mx_launch_after(kernel, dim3(1), dim3(threads), smem, stream, *r,
+                                                 p->expert_map, p->num_local_experts, block_m, sorted_ids,
+                                                 tile_expert, num_tiles),
                                  "route_align_kernel");
         }
         st = mx_cuda_route(r, stream);
@@ -91,5 +82,5 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
             return st;
     }
     return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts, block_m,
-                             counts, cursor, sorted_ids, tile_expert, num_tiles, stream);
+                             align_ws, sorted_ids, tile_expert, num_tiles, stream);
 }

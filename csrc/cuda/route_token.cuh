@@ -1,13 +1,21 @@
 /* Top-k routing of one token by one warp (numerics.md "Routing"), shared by
  * route_kernel (route.cu) and the fused route + sort kernel
  * (route_align.cu); route.cu's header describes the method. Also the host
- * check both launchers run first. */
+ * check both launchers run first.
+ *
+ * Up to kRouteRegExperts experts a lane keeps its experts' scores and choices
+ * in registers (route_token_regs): the k arg-max rounds are register
+ * compares and shuffles, and shared memory holds only what lanes exchange
+ * (the group step's choices, the chosen slots). Beyond, every row lives in
+ * shared memory (route_scores, route_select_warp). Both give the same bits. */
 #ifndef MOE_EXT_CUDA_ROUTE_TOKEN_CUH
 #define MOE_EXT_CUDA_ROUTE_TOKEN_CUH
 
 #include "common.cuh"
 
 #include <math.h>
+
+#include <type_traits>
 
 namespace {
 
@@ -60,12 +68,50 @@ struct route_rows {
     }
 };
 
+/* Step 2 by one warp, on choice in shared memory: keep the topk_group best
+ * groups (a group's score: with a bias the sum of its two largest choices,
+ * else its largest) and set the others' choices to -inf. */
+__device__ __forceinline__ void route_mask_groups(const mx_routing_problem &p, const route_rows &r, int lane)
+{
+    const int E = static_cast<int>(p.num_experts);
+    const int G = p.num_expert_group;
+    const int gs = E / G;
+    float *choice = r.choice, *group = r.group;
+    int *aux = r.aux;
+    for (int g = lane; g < G; g += 32) {
+        const float *c = choice + g * gs;
+        float m1 = -INFINITY, m2 = -INFINITY;
+        for (int i = 0; i < gs; ++i) {
+            float v = c[i];
+            if (v > m1) {
+                m2 = m1;
+                m1 = v;
+            } else if (v > m2) {
+                m2 = v;
+            }
+        }
+        group[g] = (p.correction_bias && gs > 1) ? m1 + m2 : m1;
+    }
+    __syncwarp();
+    for (int g = lane; g < G; g += 32) {
+        const float v = group[g];
+        int rank = 0;
+        for (int h = 0; h < G; ++h)
+            rank += route_better(group[h], h, v, g);
+        aux[g] = rank < p.topk_group;
+    }
+    __syncwarp();
+    for (int e = lane; e < E; e += 32)
+        if (!aux[e / gs])
+            choice[e] = -INFINITY;
+    __syncwarp();
+}
+
 /* Steps 1-2 by one warp: scores, then choice with the groups masked. */
 __device__ __forceinline__ void route_scores(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
 {
     const int E = static_cast<int>(p.num_experts);
-    float *score = r.score, *choice = r.choice, *group = r.group;
-    int *aux = r.aux;
+    float *score = r.score, *choice = r.choice;
 
     /* 1. scores */
     const int64_t base = t * E;
@@ -98,39 +144,8 @@ __device__ __forceinline__ void route_scores(const mx_routing_problem &p, int64_
     }
     __syncwarp();
 
-    /* 2. grouped top-k: keep the topk_group best groups, mask the rest */
-    if (p.num_expert_group > 0) {
-        const int G = p.num_expert_group;
-        const int gs = E / G;
-        for (int g = lane; g < G; g += 32) {
-            const float *c = choice + g * gs;
-            float m1 = -INFINITY, m2 = -INFINITY;
-            for (int i = 0; i < gs; ++i) {
-                float v = c[i];
-                if (v > m1) {
-                    m2 = m1;
-                    m1 = v;
-                } else if (v > m2) {
-                    m2 = v;
-                }
-            }
-            /* with a bias: sum of the two largest s + b; else the max */
-            group[g] = (p.correction_bias && gs > 1) ? m1 + m2 : m1;
-        }
-        __syncwarp();
-        for (int g = lane; g < G; g += 32) {
-            const float v = group[g];
-            int rank = 0;
-            for (int h = 0; h < G; ++h)
-                rank += route_better(group[h], h, v, g);
-            aux[g] = rank < p.topk_group;
-        }
-        __syncwarp();
-        for (int e = lane; e < E; e += 32)
-            if (!aux[e / gs])
-                choice[e] = -INFINITY;
-        __syncwarp();
-    }
+    if (p.num_expert_group > 0)
+        route_mask_groups(p, r, lane);
 }
 
 /* Step 3 by one warp: k rounds of arg-max over the untaken experts; slot j
@@ -154,26 +169,6 @@ __device__ __forceinline__ void route_select_warp(const mx_routing_problem &p, c
             r.aux[j] = bi;
         }
         __syncwarp();
-    }
-}
-
-/* Step 3 by the `threads` threads of a token's group (i = 0..threads-1),
- * with no rounds: expert e's slot is its rank, the number of experts better
- * than it (the same order as route_select_warp, so the same slots). The
- * caller synchronizes the group before (choice complete) and after. */
-__device__ __forceinline__ void route_select_ranks(const mx_routing_problem &p, const route_rows &r, int i,
-                                                   int threads)
-{
-    const int E = static_cast<int>(p.num_experts);
-    for (int e = i; e < E; e += threads) {
-        const float v = r.choice[e];
-        int rank = 0;
-        for (int h = 0; h < E; ++h)
-            rank += route_better(r.choice[h], h, v, e);
-        if (rank < p.top_k) {
-            r.group[rank] = r.score[e];
-            r.aux[rank] = e;
-        }
     }
 }
 
@@ -201,16 +196,128 @@ __device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t
     __syncwarp(); /* the rows are free for the warp's next token */
 }
 
+/* Experts a lane can keep in registers: up to 8 per lane. */
+constexpr int kRouteRegExperts = 256;
+
+/* Steps 1-3 by one warp with lane's experts e = lane + 32 i (i < EPL,
+ * E <= 32 EPL) in registers; then the slots in r.group / r.aux as
+ * route_select_warp leaves them. The same arithmetic in the same order as
+ * route_scores and route_select_warp. */
+template <int EPL>
+__device__ __forceinline__ void route_token_regs(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
+{
+    const int E = static_cast<int>(p.num_experts);
+    float score[EPL], choice[EPL];
+    const int64_t base = t * E;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        score[i] = e < E ? mx_load_float(p.router_logits, p.logits_dtype, base + e) : 0.0f;
+        if (e < E)
+            mx = fmaxf(mx, score[i]);
+    }
+    if (p.scoring == MX_SCORING_SOFTMAX) {
+        mx = warp_max(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (lane + 32 * i < E) {
+                score[i] = expf(score[i] - mx);
+                sum += score[i];
+            }
+        sum = warp_sum(sum);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            score[i] = score[i] / sum;
+    } else {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            score[i] = 1.0f / (1.0f + expf(-score[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        float c = score[i];
+        if (e < E && p.correction_bias)
+            c += mx_load_float(p.correction_bias, p.bias_dtype, e);
+        choice[i] = e >= E ? NAN : isnan(c) ? -INFINITY : c; /* NaN: taken, or no expert */
+    }
+    if (p.num_expert_group > 0) {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (lane + 32 * i < E)
+                r.choice[lane + 32 * i] = choice[i];
+        __syncwarp();
+        route_mask_groups(p, r, lane);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (lane + 32 * i < E)
+                choice[i] = r.choice[lane + 32 * i];
+    }
+    for (int j = 0; j < p.top_k; ++j) {
+        float bv = NAN;
+        int bi = E;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (route_better(choice[i], lane + 32 * i, bv, bi)) {
+                bv = choice[i];
+                bi = lane + 32 * i;
+            }
+        warp_argmax(bv, bi);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (lane + 32 * i == bi) {
+                choice[i] = NAN;
+                r.group[j] = score[i];
+                r.aux[j] = bi;
+            }
+    }
+    __syncwarp();
+}
+
 /* Routes token t with the calling warp; rows: the warp's 4 * E floats of
  * shared memory. Writes topk_weights[t, :] and topk_ids[t, :] (ids_copy as
- * for route_write). */
+ * for route_write). EPL: route_experts_per_lane(E), a template argument so
+ * that each kernel holds one straight path (a routing launch runs cold: its
+ * code is fetched from L2 or DRAM after the GEMMs). */
+template <int EPL>
 __device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t t, float *rows, int lane,
                                             int32_t *ids_copy)
 {
     const route_rows r(rows, static_cast<int>(p.num_experts));
-    route_scores(p, t, r, lane);
-    route_select_warp(p, r, lane);
+    if constexpr (EPL > 0) {
+        route_token_regs<EPL>(p, t, r, lane);
+    } else {
+        route_scores(p, t, r, lane);
+        route_select_warp(p, r, lane);
+    }
     route_write(p, t, r, lane, ids_copy);
+}
+
+/* Experts per lane of route_token's register path for E experts (1, 2, 4
+ * or 8), or 0 for the shared-memory path past kRouteRegExperts. */
+inline int route_experts_per_lane(int64_t experts)
+{
+    return experts <= 32 ? 1 : experts <= 64 ? 2 : experts <= 128 ? 4 : experts <= kRouteRegExperts ? 8 : 0;
+}
+
+/* pick(std::integral_constant<int, EPL>()) for EPL =
+ * route_experts_per_lane(experts): the launchers' choice of kernel<EPL>. */
+template <typename Pick> auto route_pick_experts_per_lane(int64_t experts, Pick pick)
+{
+    switch (route_experts_per_lane(experts)) {
+    case 1:
+        return pick(std::integral_constant<int, 1>());
+    case 2:
+        return pick(std::integral_constant<int, 2>());
+    case 4:
+        return pick(std::integral_constant<int, 4>());
+    case 8:
+        return pick(std::integral_constant<int, 8>());
+    default:
+        return pick(std::integral_constant<int, 0>());
+    }
 }
 
 /* 0 => p is routable (M >= 1); else st holds the error. */
@@ -242,31 +349,6 @@ inline int route_check(const mx_routing_problem *p, mx_status *st)
 
 /* Shared-memory bytes of one routing warp (its four rows of E floats). */
 inline size_t route_warp_bytes(int64_t experts) { return 4 * sizeof(float) * static_cast<size_t>(experts); }
-
-/* Threads of a token group for route_select_ranks: E rounded up to whole
- * warps, or 0 (one warp per token) past 1024. */
-inline int route_group_threads(int64_t experts)
-{
-    const int64_t threads = (experts + 31) / 32 * 32;
-    return threads <= 1024 ? static_cast<int>(threads) : 0;
-}
-
-/* Token t routed by a group of `threads` threads (i = 0..threads-1 within
- * it; live: t is a token). Synchronizes the whole block twice, so every
- * thread of the block calls it. */
-__device__ __forceinline__ void route_token_by_group(const mx_routing_problem &p, int64_t t, float *rows, int i,
-                                                     int threads, bool live, int32_t *ids_copy)
-{
-    const route_rows r(rows, static_cast<int>(p.num_experts));
-    if (live && i < 32)
-        route_scores(p, t, r, i);
-    __syncthreads();
-    if (live)
-        route_select_ranks(p, r, i, threads);
-    __syncthreads();
-    if (live && i < 32)
-        route_write(p, t, r, i, ids_copy);
-}
 
 } /* namespace */
 
