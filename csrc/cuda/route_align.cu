@@ -24,7 +24,7 @@ constexpr size_t kFusedMaxSmem = 160 * 1024;
 
 /* EPL: route_experts_per_lane(E) */
 template <int EPL>
-__global__ void __launch_bounds__(32 * kFusedMaxTokens)
+__global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
     route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
                        int block_m, int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
                        int32_t *__restrict__ num_tiles)
