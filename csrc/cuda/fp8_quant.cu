@@ -67,6 +67,24 @@ __device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t ro
     return true;
 }
 
+/* x[0..4) to float32: one 8-byte (16-bit T) or 16-byte (float) load; x is
+ * 4-element aligned. */
+template <typename T> __device__ __forceinline__ void load4(const T *x, float (&v)[4])
+{
+    using Raw = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+    const Raw raw = *reinterpret_cast<const Raw *>(x);
+    const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        v[i] = mx_to_float(e[i]);
+}
+
+/* four fp8 bytes in one 4-byte store (q 4-byte aligned) */
+__device__ __forceinline__ void store4(uint8_t *q, const uint8_t (&b)[4])
+{
+    *reinterpret_cast<uint32_t *>(q) = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+}
+
 /* ---- mx_cuda_fp8_quant: PER_TENSOR ------------------------------------------ */
 
 template <typename T>
@@ -138,8 +156,10 @@ __global__ void __launch_bounds__(kQuantThreads)
 
 /* ---- per token group (mx_cuda_fp8_quant and the pipelines) ------------------- */
 
-/* grid: x = groups of 8 column groups (one per warp), y = rows (stride) */
-template <typename T>
+/* grid: x = groups of 8 column groups (one per warp), y = rows (stride).
+ * kVec4: group == 32 x 4 and 4-element aligned rows (x, q, cols): lane i
+ * takes columns 4i..4i+3 of its group in one load and one store. */
+template <typename T, bool kVec4>
 __global__ void __launch_bounds__(kQuantThreads)
     group_quant_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int group,
                        const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq, float *__restrict__ scales,
@@ -159,34 +179,70 @@ __global__ void __launch_bounds__(kQuantThreads)
         const T *xr = x + row * ldx;
         uint8_t *qr = q + row * ldq;
         float m = 0.0f;
-        for (int64_t c = c0 + lane; c < c1; c += 32)
-            m = mx_amax_step(m, mx_to_float(xr[c]));
-        const float s = mx_fp8_group_scale(mx_warp_max(m));
-        for (int64_t c = c0 + lane; c < c1; c += 32)
-            qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
-        if (gi == groups - 1)
-            for (int64_t c = cols + lane; c < ldq; c += 32)
-                qr[c] = 0;
-        if (lane == 0)
-            scales[row * scale_ld + gi] = s;
+        if constexpr (kVec4) {
+            const int64_t c = c0 + 4 * lane;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (c < c1) {
+                load4(xr + c, v);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    m = mx_amax_step(m, v[i]);
+            }
+            const float s = mx_fp8_group_scale(mx_warp_max(m));
+            if (c < c1) {
+                uint8_t b[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    b[i] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(v[i], s)));
+                store4(qr + c, b);
+            }
+            if (gi == groups - 1)
+                for (int64_t pad = cols + 4 * lane; pad < ldq; pad += 128)
+                    *reinterpret_cast<uint32_t *>(qr + pad) = 0u;
+            if (lane == 0)
+                scales[row * scale_ld + gi] = s;
+        } else {
+            for (int64_t c = c0 + lane; c < c1; c += 32)
+                m = mx_amax_step(m, mx_to_float(xr[c]));
+            const float s = mx_fp8_group_scale(mx_warp_max(m));
+            for (int64_t c = c0 + lane; c < c1; c += 32)
+                qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
+            if (gi == groups - 1)
+                for (int64_t c = cols + lane; c < ldq; c += 32)
+                    qr[c] = 0;
+            if (lane == 0)
+                scales[row * scale_ld + gi] = s;
+        }
     }
 }
 
 /* ---- pipeline per tensor ------------------------------------------------------ */
 
-template <typename T>
+/* kVec4 (here and in rows_quant_tensor_kernel): 4-element aligned rows (x,
+ * q, cols, ldx, ldq); each thread takes 4 consecutive columns at a time. */
+template <typename T, bool kVec4>
 __global__ void __launch_bounds__(kQuantThreads)
     rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
                      float *__restrict__ partials, uint32_t *reset)
 {
     mx_griddep_wait();
     mx_griddep_launch_dependents();
+    constexpr int kStep = kVec4 ? 4 : 1;
     float m = 0.0f;
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         if (!row_valid(f, row))
             continue;
-        for (int64_t c = threadIdx.x; c < cols; c += kQuantThreads)
-            m = mx_amax_step(m, mx_to_float(x[row * ldx + c]));
+        for (int64_t c = kStep * threadIdx.x; c < cols; c += kStep * kQuantThreads) {
+            if constexpr (kVec4) {
+                float v[4];
+                load4(x + row * ldx + c, v);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    m = mx_amax_step(m, v[i]);
+            } else {
+                m = mx_amax_step(m, mx_to_float(x[row * ldx + c]));
+            }
+        }
     }
     m = block_max(m);
     if (threadIdx.x == 0) {
@@ -196,7 +252,7 @@ __global__ void __launch_bounds__(kQuantThreads)
     }
 }
 
-template <typename T>
+template <typename T, bool kVec4>
 __global__ void __launch_bounds__(kQuantThreads)
     rows_quant_tensor_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                              const mx_fp8_row_filter f, const float *__restrict__ partials, int parts,
@@ -227,9 +283,24 @@ __global__ void __launch_bounds__(kQuantThreads)
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         if (!row_valid(f, row))
             continue;
-        for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
-            q[row * ldq + c] = c < cols ? mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[row * ldx + c]), inv)))
-                                        : static_cast<uint8_t>(0);
+        if constexpr (kVec4) {
+            for (int64_t c = 4 * threadIdx.x; c < ldq; c += 4 * kQuantThreads) {
+                uint8_t b[4] = {0, 0, 0, 0};
+                if (c < cols) {
+                    float v[4];
+                    load4(x + row * ldx + c, v);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        b[i] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(v[i], inv)));
+                }
+                store4(q + row * ldq + c, b);
+            }
+        } else {
+            for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
+                q[row * ldq + c] = c < cols
+                                     ? mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[row * ldx + c]), inv)))
+                                     : static_cast<uint8_t>(0);
+        }
     }
 }
 
@@ -345,6 +416,13 @@ template <typename Fn> mx_status by_dtype(mx_dtype dt, Fn fn)
     return mx_status_fail(MX_ERR_TYPE, "fp8 row quantizer: dtype %s", mx_dtype_name(dt));
 }
 
+/* rows of x (ldx) and q (ldq) allow the kernels' 4-column loads and stores */
+template <typename T> bool rows_vec4(const void *x, int64_t cols, int64_t ldx, const uint8_t *q, int64_t ldq)
+{
+    return cols % 4 == 0 && ldx % 4 == 0 && ldq % 4 == 0 && reinterpret_cast<uintptr_t>(x) % (4 * sizeof(T)) == 0 &&
+           reinterpret_cast<uintptr_t>(q) % 4 == 0;
+}
+
 } /* namespace */
 
 extern "C" int mx_fp8_amax_parts(int64_t rows) { return static_cast<int>(grid_cap(rows, kAmaxParts)); }
@@ -356,7 +434,8 @@ extern "C" mx_status mx_cuda_fp8_rows_amax(const void *x, mx_dtype dt, int64_t r
     const unsigned blocks = static_cast<unsigned>(mx_fp8_amax_parts(rows));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        return mx_check_call(mx_launch_after(rows_amax_kernel<T>, dim3(blocks), dim3(kQuantThreads), 0, stream,
+        const auto kernel = rows_vec4<T>(x, cols, ldx, nullptr, 0) ? rows_amax_kernel<T, true> : rows_amax_kernel<T, false>;
+        return mx_check_call(mx_launch_after(kernel, dim3(blocks), dim3(kQuantThreads), 0, stream,
                                              static_cast<const T *>(x), rows, cols, ldx, *filter, partials, reset),
                              "rows_amax_kernel");
     });
@@ -371,7 +450,9 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
     const unsigned blocks = static_cast<unsigned>(grid_cap(rows, 4096));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        return mx_check_call(mx_launch_after(rows_quant_tensor_kernel<T>, dim3(blocks), dim3(kQuantThreads), 0, stream,
+        const auto kernel = rows_vec4<T>(x, cols, ldx, q, ldq) ? rows_quant_tensor_kernel<T, true>
+                                                               : rows_quant_tensor_kernel<T, false>;
+        return mx_check_call(mx_launch_after(kernel, dim3(blocks), dim3(kQuantThreads), 0, stream,
                                              static_cast<const T *>(x), rows, cols, ldx, *filter, partials, parts,
                                              amax_bits, q, ldq, scale),
                              "rows_quant_tensor_kernel");
@@ -390,7 +471,9 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, in
     const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        return mx_check_call(mx_launch_after(group_quant_kernel<T>, grid, dim3(kQuantThreads), 0, stream,
+        const auto kernel = group == 128 && rows_vec4<T>(x, cols, ldx, q, ldq) ? group_quant_kernel<T, true>
+                                                                               : group_quant_kernel<T, false>;
+        return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream,
                                              static_cast<const T *>(x), rows, cols, ldx, group, *filter, q, ldq, scales,
                                              scale_ld),
                              "group_quant_kernel");
