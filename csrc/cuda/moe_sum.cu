@@ -19,6 +19,7 @@
 namespace {
 
 constexpr int kSumThreads = 128;
+constexpr int kBatch = 8; /* (slot, slice) terms loaded at once */
 
 template <typename T> struct vec4_store;
 template <> struct vec4_store<float> {
@@ -51,16 +52,26 @@ __global__ void __launch_bounds__(kSumThreads)
         if (c * 4 >= hidden)
             return;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int j = 0; j < top_k; ++j) {
-            if (!slot_valid[j])
-                continue;
-            for (int s = 0; s < splits; ++s) {
-                const float4 v = *reinterpret_cast<const float4 *>(y + s * split_stride + (t * top_k + j) * hidden + c * 4);
-                acc.x += v.x;
-                acc.y += v.y;
-                acc.z += v.z;
-                acc.w += v.w;
+        /* the (slot, slice) terms in slot-major order, kBatch loads in flight before their adds */
+        const int terms = top_k * splits;
+        for (int n0 = 0; n0 < terms; n0 += kBatch) {
+            float4 v[kBatch];
+            bool used[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+                const int j = (n0 + i) / splits, s = n0 + i - j * splits;
+                used[i] = n0 + i < terms && slot_valid[j];
+                if (used[i])
+                    v[i] = *reinterpret_cast<const float4 *>(y + s * split_stride + (t * top_k + j) * hidden + c * 4);
             }
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i)
+                if (used[i]) {
+                    acc.x += v[i].x;
+                    acc.y += v[i].y;
+                    acc.z += v[i].z;
+                    acc.w += v[i].w;
+                }
         }
         vec4_store<T>::run(out + t * hidden + c * 4, acc);
     } else {
