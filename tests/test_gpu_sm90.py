@@ -47,21 +47,6 @@ def test_matches_reference(cfg, dtype, rows_per_expert, gen):
             assert not any(GATHER_KERNEL in n for n in names), names
 
 
-@pytest.mark.parametrize("m,stages", [(1, 12), (40, 6)])
-def test_decode_stages_by_grid(m, stages, gen):
-    """16-token tiles: a grid within one CTA per SM (1 token: 4 m tiles x 8 n tiles) takes the
-    12-stage kernel, a larger one (40 tokens over 32 experts: 42 m tiles) the 6-stage one."""
-    _, _, _, kw, corr = CONFIGS[0]
-    layer, _, reference = cuda_case(gen, torch.bfloat16, 32, dict(kw, top_k=4), corr, h=328, i=200)
-    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, 32, device="cuda", scale=2.0)
-    want, margin = reference(x, logits)
-    check(layer(x, logits), want, margin, torch.bfloat16)
-    if on_hopper():
-        names = kernels_of(lambda: layer(x, logits))
-        assert any(f"mx_sm90_decode_shape<16, {stages}>" in n for n in names), names
-
-
 @pytest.mark.parametrize("m", [1, 2, 7])
 def test_decode_split_k(m, gen):
     """Few experts and a long I: GEMM2 runs in split-K slices (bias on slice 0 only)."""

@@ -184,27 +184,6 @@ inline bool mx_dependent_launch_available()
     });
 }
 
-/* Streaming multiprocessors of the current device (cached per device; 1
- * when the query fails). */
-inline int mx_sm_count()
-{
-    static std::atomic<int> cached[64];
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) {
-        cudaGetLastError();
-        return 1;
-    }
-    int n = cached[device & 63].load(std::memory_order_relaxed);
-    if (n > 0)
-        return n;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n < 1) {
-        cudaGetLastError();
-        n = 1;
-    }
-    cached[device & 63].store(n, std::memory_order_relaxed);
-    return n;
-}
-
 /* The pipeline's small kernels (routing, sorting, quantizers, the top-k
  * sum) wait at their top, so launching them dependent is always safe: only
  * their launch and prologue overlap the kernel before. Dependent where the

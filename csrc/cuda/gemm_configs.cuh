@@ -124,11 +124,6 @@ struct mx_sm90_decode_shape {
 /* 16 tokens, 6 stages of 18 KB (110 KB): 2 CTAs per SM keep up to 12 k
  * blocks (192 KB of weights) in flight per SM. */
 typedef mx_sm90_decode_shape<16, 6> mx_tile_sm90_decode;
-/* The same tile with 12 stages (217 KB, 1 CTA per SM) for a grid that fits
- * the SMs once (qwen3moe's GEMM1 at one token: 96 working CTAs): each SM
- * then keeps 12 k blocks in flight by itself instead of 6. Picked at launch
- * (grouped_gemm_sm90_decode.cu); moe_align's block_m is the same. */
-typedef mx_sm90_decode_shape<16, 12> mx_tile_sm90_decode_deep;
 /* 32 tokens, 5 stages of 20 KB (101 KB), 2 CTAs per SM. */
 typedef mx_sm90_decode_shape<32, 5> mx_tile_sm90_decode32;
 /* 48 tokens, 5 stages of 22 KB (111 KB), 2 CTAs per SM: one stage more in

@@ -1,8 +1,7 @@
 /* Instantiations of the Hopper decode kernel (grouped_gemm_sm90_decode.cuh):
  * bfloat16 and float16 operands, and float8_e4m3 operands with per-tensor or
  * 128x128 block scales and a bfloat16 / float16 act dtype; 16-, 32-, 48-
- * and 64-token tiles (16 also with 12 stages, for grids within one CTA per
- * SM); four kinds each. */
+ * and 64-token tiles; four kinds each. */
 #include "grouped_gemm_sm90_decode.cuh"
 
 namespace {
@@ -19,9 +18,6 @@ mx_status decode_for_types(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_g
     if (tile_config == MX_TILE_SM90_DECODE32)
         return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode32, QUANT>(g, sc, kind, local_experts, m_tiles,
                                                                               stream);
-    if (decode_ctas(kind, *g, m_tiles) <= mx_sm_count())
-        return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode_deep, QUANT>(g, sc, kind, local_experts, m_tiles,
-                                                                                 stream);
     return grouped_gemm_sm90_decode<TA, T, mx_tile_sm90_decode, QUANT>(g, sc, kind, local_experts, m_tiles, stream);
 }
 

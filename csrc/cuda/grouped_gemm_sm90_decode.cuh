@@ -346,19 +346,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
 #endif
 }
 
-/* n tiles of one m tile: 64 output columns (128 weight rows) a tile. */
-inline int64_t decode_n_tiles(int kind, const mx_gemm_args &g)
-{
-    const bool paired = kind == MX_GEMM_GATE_UP || kind == MX_GEMM_GATE_UP_INTERLEAVED;
-    return paired ? mx_ceil_div(g.out_cols, 64) : mx_ceil_div(g.n_rows, 128);
-}
-
-/* CTAs of one launch: m tiles x n tiles (in whole chunks) x k splits. */
-inline int64_t decode_ctas(int kind, const mx_gemm_args &g, int64_t m_tiles)
-{
-    return m_tiles * mx_ceil_div(decode_n_tiles(kind, g), kDecodeGroupN) * kDecodeGroupN * g.k_splits;
-}
-
 /* One GEMM of the decode kernel over A = g.a [rows, K] (stride g.lda
  * elements of TA); the caller checked the TMA preconditions. */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
@@ -367,14 +354,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
 {
     auto kernel = grouped_gemm_sm90_decode_kernel<TA, T, Shape, KIND, QUANT>;
     constexpr int BK = 128 / static_cast<int>(sizeof(TA));
-    const int64_t n_tiles = decode_n_tiles(KIND, g);
+    constexpr bool kPaired = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED;
+    const int64_t n_tiles = kPaired ? mx_ceil_div(g.out_cols, 64) : mx_ceil_div(g.n_rows, 128);
     if (KIND == MX_GEMM_LINEAR && (g.sorted_ids || g.rows < 1 || m_tiles != mx_ceil_div(g.rows, Shape::kBlockT)))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: a dense launch needs rows and no tile table");
     const int64_t k_blocks = mx_ceil_div(g.k, BK);
     const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / BK;
-    static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_kernel<%s, %s, %d x %d, %s%s>",
+    static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_kernel<%s, %s, %d, %s%s>",
                                             sm90_dtype<TA>::name(), sm90_dtype<T>::name(), Shape::kBlockT,
-                                            Shape::kStages,
                                             mx_gemm_kind_name(KIND),
                                             sm90_quant_names[QUANT]);
     const char *name = kernel_name.text;
@@ -382,7 +369,7 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
         mx_ceil_div(k_blocks, kb_per_split) != g.k_splits || (g.k_splits > 1 && KIND != MX_GEMM_DOWN))
         return mx_status_fail(MX_ERR_VALUE, "%s: %d k splits of %lld do not tile k = %lld", name, g.k_splits,
                               (long long)g.k_split_len, (long long)g.k);
-    const int64_t grid = decode_ctas(KIND, g, m_tiles);
+    const int64_t grid = m_tiles * mx_ceil_div(n_tiles, kDecodeGroupN) * kDecodeGroupN * g.k_splits;
     if (grid > 0x7fffffff || m_tiles * Shape::kBlockT > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld CTAs exceed the grid", name, (long long)grid);
     if (grid == 0)
