@@ -2,7 +2,8 @@
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
 multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
 64-token tiles, split-K), the persistent kernel (>= 64 rows per expert), FP8 on both, and
-moe_ext.Linear; routing fused with the sort (M <= 32) and apart."""
+moe_ext.Linear; routing fused with the sort (M <= 32) and apart, the sort in one block and
+split over chunks (> 8192 pairs)."""
 import torch
 
 import moe_ext
@@ -38,6 +39,11 @@ def main():
     for m in (100, 300):
         x = torch.randn(m, kw["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
         assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
+    # 2100 tokens x top 4 = 8400 pairs: the sort splits over chunks (count / scan / scatter)
+    layer = moe_ext.FusedMoE(32, 4, 128, 96, params_dtype=torch.bfloat16, device="cuda")
+    fill(layer, gen)
+    x = torch.randn(2100, 128, generator=gen).to("cuda", torch.bfloat16)
+    assert torch.isfinite(layer(x, torch.randn(2100, 32, generator=gen).cuda())).all()
     for block in (None, [128, 128]):
         for h, i, tokens in ((200, 130, (1, 9)), (256, 192, (1, 40, 100, 300))):
             layer = moe_ext.FusedMoE(8, 2, h, i, params_dtype=torch.bfloat16, device="cuda",
