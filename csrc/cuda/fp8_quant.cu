@@ -156,10 +156,8 @@ __global__ void __launch_bounds__(kQuantThreads)
 
 /* ---- per token group (mx_cuda_fp8_quant and the pipelines) ------------------- */
 
-/* grid: x = groups of 8 column groups (one per warp), y = rows (stride).
- * kVec4: group == 32 x 4 and 4-element aligned rows (x, q, cols): lane i
- * takes columns 4i..4i+3 of its group in one load and one store. */
-template <typename T, bool kVec4>
+/* grid: x = groups of 8 column groups (one per warp), y = rows (stride) */
+template <typename T>
 __global__ void __launch_bounds__(kQuantThreads)
     group_quant_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int group,
                        const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq, float *__restrict__ scales,
@@ -179,40 +177,75 @@ __global__ void __launch_bounds__(kQuantThreads)
         const T *xr = x + row * ldx;
         uint8_t *qr = q + row * ldq;
         float m = 0.0f;
-        if constexpr (kVec4) {
-            const int64_t c = c0 + 4 * lane;
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (c < c1) {
-                load4(xr + c, v);
+        for (int64_t c = c0 + lane; c < c1; c += 32)
+            m = mx_amax_step(m, mx_to_float(xr[c]));
+        const float s = mx_fp8_group_scale(mx_warp_max(m));
+        for (int64_t c = c0 + lane; c < c1; c += 32)
+            qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
+        if (gi == groups - 1)
+            for (int64_t c = cols + lane; c < ldq; c += 32)
+                qr[c] = 0;
+        if (lane == 0)
+            scales[row * scale_ld + gi] = s;
+    }
+}
+
+constexpr int kGroupsPerWarp = 4;
+
+/* group_quant_kernel for groups of 128 columns over 4-element aligned rows
+ * (x, q, cols, ldx, ldq): a warp takes a unit of kGroupsPerWarp groups of
+ * one row (lane i: columns 4i..4i+3 of each, one load and one store), all
+ * loads before the reductions; units grid-stride over (row, chunk of
+ * groups). The same bits as group_quant_kernel. */
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    group_quant_vec4_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
+                            const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq,
+                            float *__restrict__ scales, int64_t scale_ld)
+{
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
+    const int lane = threadIdx.x & 31;
+    const int64_t groups = (cols + 127) / 128, chunks = (groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32);
+    for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5); u < rows * chunks;
+         u += warps) {
+        const int64_t row = u / chunks, g0 = (u - row * chunks) * kGroupsPerWarp;
+        if (!row_valid(f, row))
+            continue;
+        const T *xr = x + row * ldx;
+        uint8_t *qr = q + row * ldq;
+        float v[kGroupsPerWarp][4], m[kGroupsPerWarp];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    m = mx_amax_step(m, v[i]);
+        for (int i = 0; i < kGroupsPerWarp; ++i) {
+            const int64_t c = (g0 + i) * 128 + 4 * lane;
+            m[i] = 0.0f;
+            if (c < cols) {
+                load4(xr + c, v[i]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    m[i] = mx_amax_step(m[i], v[i][e]);
             }
-            const float s = mx_fp8_group_scale(mx_warp_max(m));
-            if (c < c1) {
+        }
+#pragma unroll
+        for (int i = 0; i < kGroupsPerWarp; ++i) {
+            const int64_t c = (g0 + i) * 128 + 4 * lane;
+            if (g0 + i >= groups)
+                break;
+            const float s = mx_fp8_group_scale(mx_warp_max(m[i]));
+            if (c < cols) {
                 uint8_t b[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    b[i] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(v[i], s)));
+                for (int e = 0; e < 4; ++e)
+                    b[e] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(v[i][e], s)));
                 store4(qr + c, b);
             }
-            if (gi == groups - 1)
-                for (int64_t pad = cols + 4 * lane; pad < ldq; pad += 128)
-                    *reinterpret_cast<uint32_t *>(qr + pad) = 0u;
             if (lane == 0)
-                scales[row * scale_ld + gi] = s;
-        } else {
-            for (int64_t c = c0 + lane; c < c1; c += 32)
-                m = mx_amax_step(m, mx_to_float(xr[c]));
-            const float s = mx_fp8_group_scale(mx_warp_max(m));
-            for (int64_t c = c0 + lane; c < c1; c += 32)
-                qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
-            if (gi == groups - 1)
-                for (int64_t c = cols + lane; c < ldq; c += 32)
-                    qr[c] = 0;
-            if (lane == 0)
-                scales[row * scale_ld + gi] = s;
+                scales[row * scale_ld + g0 + i] = s;
         }
+        if (g0 + kGroupsPerWarp >= groups)
+            for (int64_t pad = cols + 4 * lane; pad < ldq; pad += 128)
+                *reinterpret_cast<uint32_t *>(qr + pad) = 0u;
     }
 }
 
@@ -280,22 +313,27 @@ __global__ void __launch_bounds__(kQuantThreads)
     }
     __syncthreads();
     const float inv = inv_scale;
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-        if (!row_valid(f, row))
-            continue;
-        if constexpr (kVec4) {
-            for (int64_t c = 4 * threadIdx.x; c < ldq; c += 4 * kQuantThreads) {
-                uint8_t b[4] = {0, 0, 0, 0};
-                if (c < cols) {
-                    float v[4];
-                    load4(x + row * ldx + c, v);
+    if constexpr (kVec4) { /* grid: x = rows (stride), y = chunks of 4 x kQuantThreads columns */
+        const int64_t c = (static_cast<int64_t>(blockIdx.y) * kQuantThreads + threadIdx.x) * 4;
+        if (c >= ldq)
+            return;
+        for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+            if (!row_valid(f, row))
+                continue;
+            uint8_t b[4] = {0, 0, 0, 0};
+            if (c < cols) {
+                float v[4];
+                load4(x + row * ldx + c, v);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        b[i] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(v[i], inv)));
-                }
-                store4(q + row * ldq + c, b);
+                for (int i = 0; i < 4; ++i)
+                    b[i] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(v[i], inv)));
             }
-        } else {
+            store4(q + row * ldq + c, b);
+        }
+    } else { /* grid: x = rows (stride) */
+        for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+            if (!row_valid(f, row))
+                continue;
             for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
                 q[row * ldq + c] = c < cols
                                      ? mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[row * ldx + c]), inv)))
@@ -447,14 +485,18 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
                                                    int64_t ldq, float *scale, cudaStream_t stream)
 {
     const int parts = mx_fp8_amax_parts(rows);
-    const unsigned blocks = static_cast<unsigned>(grid_cap(rows, 4096));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        const auto kernel = rows_vec4<T>(x, cols, ldx, q, ldq) ? rows_quant_tensor_kernel<T, true>
-                                                               : rows_quant_tensor_kernel<T, false>;
-        return mx_check_call(mx_launch_after(kernel, dim3(blocks), dim3(kQuantThreads), 0, stream,
-                                             static_cast<const T *>(x), rows, cols, ldx, *filter, partials, parts,
-                                             amax_bits, q, ldq, scale),
+        dim3 grid(static_cast<unsigned>(grid_cap(rows, 4096)));
+        auto kernel = rows_quant_tensor_kernel<T, false>;
+        if (rows_vec4<T>(x, cols, ldx, q, ldq)) { /* ~16K blocks of one quad per thread and row */
+            const int64_t chunks = mx_ceil_div(ldq, 4 * kQuantThreads);
+            grid = dim3(static_cast<unsigned>(grid_cap(rows, grid_cap(16384 / chunks, 65535))),
+                        static_cast<unsigned>(chunks));
+            kernel = rows_quant_tensor_kernel<T, true>;
+        }
+        return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream, static_cast<const T *>(x),
+                                             rows, cols, ldx, *filter, partials, parts, amax_bits, q, ldq, scale),
                              "rows_quant_tensor_kernel");
     });
 }
@@ -468,12 +510,18 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, in
     if (col_blocks > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "group_quant_kernel: %lld columns in groups of %d exceed the grid",
                               (long long)cols, group);
-    const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        const auto kernel = group == 128 && rows_vec4<T>(x, cols, ldx, q, ldq) ? group_quant_kernel<T, true>
-                                                                               : group_quant_kernel<T, false>;
-        return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream,
+        if (group == 128 && rows_vec4<T>(x, cols, ldx, q, ldq)) {
+            const int64_t units = rows * mx_ceil_div(mx_ceil_div(cols, 128), kGroupsPerWarp);
+            const unsigned blocks = static_cast<unsigned>(grid_cap(mx_ceil_div(units, kQuantThreads / 32), 16384));
+            return mx_check_call(mx_launch_after(group_quant_vec4_kernel<T>, dim3(blocks), dim3(kQuantThreads), 0,
+                                                 stream, static_cast<const T *>(x), rows, cols, ldx, *filter, q, ldq,
+                                                 scales, scale_ld),
+                                 "group_quant_vec4_kernel");
+        }
+        const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
+        return mx_check_call(mx_launch_after(group_quant_kernel<T>, grid, dim3(kQuantThreads), 0, stream,
                                              static_cast<const T *>(x), rows, cols, ldx, group, *filter, q, ldq, scales,
                                              scale_ld),
                              "group_quant_kernel");
