@@ -191,6 +191,8 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 constexpr int kGroupsPerWarp = 4;
+constexpr int kTensorQuads = 4; /* rows_quant_tensor_kernel: quads per thread and row, loads first */
+constexpr int kTensorChunk = kTensorQuads * 4 * kQuantThreads;
 
 /* group_quant_kernel for groups of 128 columns over 4-element aligned rows
  * (x, q, cols, ldx, ldq): a warp takes a unit of kGroupsPerWarp groups of
@@ -313,22 +315,30 @@ __global__ void __launch_bounds__(kQuantThreads)
     }
     __syncthreads();
     const float inv = inv_scale;
-    if constexpr (kVec4) { /* grid: x = rows (stride), y = chunks of 4 x kQuantThreads columns */
-        const int64_t c = (static_cast<int64_t>(blockIdx.y) * kQuantThreads + threadIdx.x) * 4;
-        if (c >= ldq)
+    if constexpr (kVec4) { /* grid: x = rows (stride), y = chunks of kTensorChunk columns */
+        const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTensorChunk + 4 * threadIdx.x;
+        if (c0 >= ldq)
             return;
         for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
             if (!row_valid(f, row))
                 continue;
-            uint8_t b[4] = {0, 0, 0, 0};
-            if (c < cols) {
-                float v[4];
-                load4(x + row * ldx + c, v);
+            float v[kTensorQuads][4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    b[i] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(v[i], inv)));
+            for (int i = 0; i < kTensorQuads; ++i)
+                if (c0 + i * 4 * kQuantThreads < cols)
+                    load4(x + row * ldx + c0 + i * 4 * kQuantThreads, v[i]);
+#pragma unroll
+            for (int i = 0; i < kTensorQuads; ++i) {
+                const int64_t c = c0 + i * 4 * kQuantThreads;
+                if (c >= ldq)
+                    break;
+                uint8_t b[4] = {0, 0, 0, 0};
+                if (c < cols)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        b[e] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(v[i][e], inv)));
+                store4(q + row * ldq + c, b);
             }
-            store4(q + row * ldq + c, b);
         }
     } else { /* grid: x = rows (stride) */
         for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -489,9 +499,9 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         dim3 grid(static_cast<unsigned>(grid_cap(rows, 4096)));
         auto kernel = rows_quant_tensor_kernel<T, false>;
-        if (rows_vec4<T>(x, cols, ldx, q, ldq)) { /* ~16K blocks of one quad per thread and row */
-            const int64_t chunks = mx_ceil_div(ldq, 4 * kQuantThreads);
-            grid = dim3(static_cast<unsigned>(grid_cap(rows, grid_cap(16384 / chunks, 65535))),
+        if (rows_vec4<T>(x, cols, ldx, q, ldq)) { /* up to ~8K blocks */
+            const int64_t chunks = mx_ceil_div(ldq, kTensorChunk);
+            grid = dim3(static_cast<unsigned>(grid_cap(rows, grid_cap(8192 / chunks, 65535))),
                         static_cast<unsigned>(chunks));
             kernel = rows_quant_tensor_kernel<T, true>;
         }
