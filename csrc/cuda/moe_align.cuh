@@ -43,29 +43,45 @@ inline size_t moe_align_counter_bytes(int64_t local_experts)
     return bytes <= kAlignSharedBytes ? bytes : 0;
 }
 
+/* Inclusive prefix sum over the warp (lane = threadIdx.x & 31). */
+__device__ __forceinline__ int warp_inclusive_scan(int v)
+{
+    const int lane = threadIdx.x & 31;
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, v, off);
+        if (lane >= off)
+            v += o;
+    }
+    return v;
+}
+
 /* Inclusive prefix sum over the block; all threads get their own value. */
 __device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int off = 1; off < 32; off <<= 1) {
-        int o = __shfl_up_sync(0xffffffffu, v, off);
-        if (lane >= off)
-            v += o;
-    }
+    v = warp_inclusive_scan(v);
     if (lane == 31)
         warp_totals[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-        int w = warp_totals[lane]; /* kAlignThreads / 32 == 32 warps */
-        for (int off = 1; off < 32; off <<= 1) {
-            int o = __shfl_up_sync(0xffffffffu, w, off);
-            if (lane >= off)
-                w += o;
-        }
-        warp_totals[lane] = w;
-    }
+    if (warp == 0) /* kAlignThreads / 32 == 32 warps */
+        warp_totals[lane] = warp_inclusive_scan(warp_totals[lane]);
     __syncthreads();
     return v + (warp > 0 ? warp_totals[warp - 1] : 0);
+}
+
+/* Expert e's segment: `count` pairs in `tiles` tiles from first_tile. Its
+ * first row goes to start[e], its tiles into the tile table, -1 into the
+ * padding rows after the pairs. */
+__device__ __forceinline__ void moe_align_write_segment(int e, int count, int tiles, int first_tile, int block_m,
+                                                        int32_t *start, int32_t *__restrict__ tile_expert,
+                                                        int32_t *__restrict__ sorted_ids)
+{
+    const int first_row = first_tile * block_m;
+    start[e] = first_row;
+    for (int i = 0; i < tiles; ++i)
+        tile_expert[first_tile + i] = e;
+    for (int r = first_row + count; r < first_row + tiles * block_m; ++r)
+        sorted_ids[r] = -1;
 }
 
 /* Phase 2 of the sort by the whole block of kAlignThreads threads: from
@@ -88,15 +104,8 @@ __device__ __forceinline__ void moe_align_segments(const int32_t *counts, int E,
         const int count = e < E ? counts[e] : 0;
         const int tiles = (count + block_m - 1) / block_m;
         const int incl = block_inclusive_scan(tiles, warp_totals);
-        const int first_tile = carry + incl - tiles;
-        if (e < E) {
-            const int first_row = first_tile * block_m;
-            start[e] = first_row;
-            for (int i = 0; i < tiles; ++i)
-                tile_expert[first_tile + i] = e;
-            for (int r = first_row + count; r < first_row + tiles * block_m; ++r)
-                sorted_ids[r] = -1;
-        }
+        if (e < E)
+            moe_align_write_segment(e, count, tiles, carry + incl - tiles, block_m, start, tile_expert, sorted_ids);
         __syncthreads(); /* everyone has read carry and warp_totals */
         if (tid == kAlignThreads - 1)
             carry += incl;
@@ -168,21 +177,9 @@ __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const in
         const int e = base + lane;
         const int count = e < E ? counts[e] : 0;
         const int tiles = (count + block_m - 1) / block_m;
-        int incl = tiles;
-        for (int off = 1; off < 32; off <<= 1) {
-            const int o = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off)
-                incl += o;
-        }
-        const int first_tile = carry + incl - tiles;
-        if (e < E) {
-            const int start = first_tile * block_m;
-            cursor[e] = start;
-            for (int i = 0; i < tiles; ++i)
-                tile_expert[first_tile + i] = e;
-            for (int r = start + count; r < start + tiles * block_m; ++r)
-                sorted_ids[r] = -1;
-        }
+        const int incl = warp_inclusive_scan(tiles);
+        if (e < E)
+            moe_align_write_segment(e, count, tiles, carry + incl - tiles, block_m, cursor, tile_expert, sorted_ids);
         carry += __shfl_sync(0xffffffffu, incl, 31);
     }
     if (lane == 0)
