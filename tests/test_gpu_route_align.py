@@ -8,7 +8,7 @@ from test_gpu import CONFIGS, check, cuda_case
 
 pytestmark = pytest.mark.gpu
 
-FUSED = "route_align_kernel"
+FUSED = "route_align"  # route_align_kernel<EPL> or route_align_split_kernel
 DEEPSEEK_ROUTING = dict(use_grouped_topk=True, num_expert_group=8, topk_group=4,
                         scoring_func="sigmoid", routed_scaling_factor=2.5, top_k=8)
 
@@ -45,12 +45,16 @@ def test_fused_routing_with_256_experts(m, gen):
     assert launches(layer, x, logits) == (True, False)
 
 
-def test_routing_outputs_match_standalone_route(gen):
-    """The experts' routing is the one select_experts returns: forward_routed with those ids and
-    weights gives the same bits as the fused forward."""
+@pytest.mark.parametrize("m", [1, 4, 24])
+def test_routing_outputs_match_standalone_route(m, gen):
+    """The experts' routing is the one select_experts returns (route_kernel, a warp per token):
+    forward_routed with those ids and weights gives the same bits as the fused forward, which
+    up to 4 tokens routes each token with 8 warps (route_token_split.cuh)."""
     layer, _, _ = cuda_case(gen, torch.bfloat16, 256, DEEPSEEK_ROUTING, True, h=64, i=32)
-    x = randn(gen, 24, 64, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, 24, 256, device="cuda", scale=2.0)
+    x = randn(gen, m, 64, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, 256, device="cuda", scale=2.0)
+    names = kernels_of(lambda: layer(x, logits))
+    assert any("route_align_split_kernel" in n for n in names) == (m <= 4), names
     weights, ids = layer.select_experts(
         x, logits, 8, True, layer.renormalize, topk_group=4, num_expert_group=8,
         scoring_func="sigmoid", routed_scaling_factor=2.5,
@@ -86,3 +90,20 @@ def test_sort_split_over_chunks_past_8192_pairs(cfg, gen):
     assert all(any(n in name for name in names) for n in
                ("moe_align_count_kernel", "moe_align_scan_kernel", "moe_align_scatter_kernel"))
     assert not any("moe_align_kernel" in name for name in names)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_split_routing_without_groups(m, gen):
+    """Sigmoid scoring, 192 experts, no groups: up to 5 tokens each takes 6 warps
+    (route_align_split_kernel); the same bits as select_experts' warp per token."""
+    routing = dict(scoring_func="sigmoid", top_k=6)
+    layer, _, reference = cuda_case(gen, torch.bfloat16, 192, routing, False, h=64, i=32)
+    x = randn(gen, m, 64, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, 192, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    out = layer(x, logits)
+    check(out, want, margin, torch.bfloat16)
+    names = kernels_of(lambda: layer(x, logits))
+    assert any("route_align_split_kernel" in n for n in names), names
+    weights, ids = layer.select_experts(x, logits, 6, False, layer.renormalize, scoring_func="sigmoid")
+    assert torch.equal(out, layer.forward_routed(x, weights, ids))

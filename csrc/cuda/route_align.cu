@@ -6,8 +6,10 @@
  * to kFusedMaxTokens tokens they run as one kernel of one block of one warp
  * per token: warp t routes token t (route_token.cuh), the block
  * synchronizes once, and warp 0 sorts (moe_align_warp, reading the ids just
- * written). Larger M: the two launches (route_kernel over many blocks, then
- * moe_align_kernel).
+ * written). Past 128 experts, where route_token_split.cuh gives the same
+ * bits and 32 / (E / 32) tokens fit, E / 32 warps route each token
+ * (route_align_split_kernel). Larger M: the two launches (route_kernel over
+ * many blocks, then moe_align_kernel).
  *
  * Shared memory of the fused kernel: M x 4 x E floats of routing rows, then
  * moe_align's 2 x E_local counters, then a copy of the M x k ids, which the
@@ -16,6 +18,7 @@
 #include "experts.cuh"
 #include "moe_align.cuh"
 #include "route_token.cuh"
+#include "route_token_split.cuh"
 
 namespace {
 
@@ -43,6 +46,27 @@ __global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
                        sorted_ids, tile_expert, num_tiles);
 }
 
+/* The same with each token routed by W = E / 32 warps (route_token_split.cuh;
+ * 32 W M threads). */
+__global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
+    route_align_split_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map,
+                             int64_t local_experts, int block_m, int32_t *__restrict__ sorted_ids,
+                             int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+{
+    extern __shared__ float route_align_smem[];
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
+    const size_t rows = 4 * static_cast<size_t>(r.num_experts);
+    int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
+    int32_t *ids = counters + 2 * local_experts;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = static_cast<int>(r.num_experts / 32);
+    route_token_split(r, warp / W, route_align_smem + (warp / W) * rows, warp % W, lane, ids);
+    __syncthreads();
+    if (warp == 0)
+        moe_align_warp(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, counters,
+                       sorted_ids, tile_expert, num_tiles);
+}
+
 } /* namespace */
 
 extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *align_ws,
@@ -62,16 +86,21 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
         const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
                             sizeof(int32_t) * static_cast<size_t>(2 * p->num_local_experts + pairs);
         if (r->num_tokens <= kFusedMaxTokens && smem <= kFusedMaxSmem) {
-            const auto kernel = route_pick_experts_per_lane(
-                r->num_experts, [](auto epl) { return &route_align_kernel<decltype(epl)::value>; });
-            static std::atomic<unsigned long long> configured[9]; /* by EPL */
+            /* more than 4 experts per lane: W warps per token where the arithmetic allows */
+            const bool split = r->num_experts > 128 && route_split_usable(r) &&
+                               r->num_experts / 32 * r->num_tokens <= kFusedMaxTokens;
+            const auto kernel = split ? &route_align_split_kernel
+                                      : route_pick_experts_per_lane(r->num_experts, [](auto epl) {
+                                            return &route_align_kernel<decltype(epl)::value>;
+                                        });
+            static std::atomic<unsigned long long> configured[9]; /* by EPL, 3 for split (no EPL 3) */
             if (smem > 48 * 1024) {
-                st = mx_opt_in_smem(kernel, kFusedMaxSmem, configured[route_experts_per_lane(r->num_experts)],
+                st = mx_opt_in_smem(kernel, kFusedMaxSmem, configured[split ? 3 : route_experts_per_lane(r->num_experts)],
                                     "route_align_kernel");
                 if (st.code != MX_OK)
                     return st;
             }
-            const unsigned threads = 32 * static_cast<unsigned>(r->num_tokens);
+            const unsigned threads = 32 * static_cast<unsigned>(r->num_tokens * (split ? r->num_experts / 32 : 1));
             return mx_check_call(mx_launch_after(kernel, dim3(1), dim3(threads), smem, stream, *r,
                                                  p->expert_map, p->num_local_experts, block_m, sorted_ids,
                                                  tile_expert, num_tiles),
