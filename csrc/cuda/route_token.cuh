@@ -199,54 +199,6 @@ __device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t
 /* Experts a lane can keep in registers: up to 8 per lane. */
 constexpr int kRouteRegExperts = 256;
 
-/* route_mask_groups on route_token_regs' registers when a group is whole
- * registers (group size gs a multiple of 32: group g = registers
- * [g gs/32, (g+1) gs/32) of every lane, DeepSeek-V3's 8 groups of 32): each
- * group's two largest choices by a butterfly over the lanes, so every lane
- * holds every group's score and masks its own registers. The same scores
- * (the top two as a multiset, summed in the same order) as the shared-memory
- * scan. */
-template <int EPL> __device__ __forceinline__ void route_mask_groups_regs(const mx_routing_problem &p, float *choice)
-{
-    const int G = p.num_expert_group;
-    const int per_group = static_cast<int>(p.num_experts) / G / 32; /* registers per group */
-    const bool top_two = p.correction_bias && per_group * 32 > 1;
-    float score[EPL];
-#pragma unroll
-    for (int g = 0; g < EPL; ++g) {
-        float m1 = -INFINITY, m2 = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < EPL; ++i)
-            if (g < G && i / per_group == g) {
-                const float v = choice[i];
-                if (v > m1) {
-                    m2 = m1;
-                    m1 = v;
-                } else if (v > m2) {
-                    m2 = v;
-                }
-            }
-        for (int off = 16; off > 0; off >>= 1) {
-            const float o1 = __shfl_xor_sync(0xffffffffu, m1, off), o2 = __shfl_xor_sync(0xffffffffu, m2, off);
-            m2 = fmaxf(fminf(m1, o1), fmaxf(m2, o2));
-            m1 = fmaxf(m1, o1);
-        }
-        score[g] = top_two ? m1 + m2 : m1;
-    }
-#pragma unroll
-    for (int g = 0; g < EPL; ++g) {
-        int rank = 0;
-#pragma unroll
-        for (int h = 0; h < EPL; ++h)
-            rank += h < G && route_better(score[h], h, score[g], g);
-        if (g < G && rank >= p.topk_group)
-#pragma unroll
-            for (int i = 0; i < EPL; ++i)
-                if (i / per_group == g)
-                    choice[i] = -INFINITY;
-    }
-}
-
 /* Steps 1-3 by one warp with lane's experts e = lane + 32 i (i < EPL,
  * E <= 32 EPL) in registers; then the slots in r.group / r.aux as
  * route_select_warp leaves them. The same arithmetic in the same order as
@@ -291,9 +243,7 @@ __device__ __forceinline__ void route_token_regs(const mx_routing_problem &p, in
             c += mx_load_float(p.correction_bias, p.bias_dtype, e);
         choice[i] = e >= E ? NAN : isnan(c) ? -INFINITY : c; /* NaN: taken, or no expert */
     }
-    if (p.num_expert_group > 0 && (E / p.num_expert_group) % 32 == 0) {
-        route_mask_groups_regs<EPL>(p, choice);
-    } else if (p.num_expert_group > 0) {
+    if (p.num_expert_group > 0) {
 #pragma unroll
         for (int i = 0; i < EPL; ++i)
             if (lane + 32 * i < E)
