@@ -387,47 +387,46 @@ template <> struct sm90_dtype<__nv_fp8_e4m3> {
     static const char *name() { return "e4m3"; }
 };
 
-/* Tensor map of A [a_rows, k] (row stride lda elements of TA), 128-byte K
- * boxes of a_box_rows rows. 0 => error (message in *st). */
+/* Tensor map of a K-contiguous operand of TA, 128-byte K boxes of box_rows
+ * rows: [rows, k] with row stride `row_stride` elements (rank 2), or, with
+ * rank 3, `experts` such matrices expert_stride elements apart. 0 => error
+ * (message in *st). */
 template <typename TA>
-int sm90_rows_map(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, int64_t k, CUtensorMap *map,
-                  mx_status *st)
+int sm90_kmajor_map(const void *base, int rank, int64_t k, int64_t rows, int64_t row_stride, int64_t experts,
+                    int64_t expert_stride, int box_rows, CUtensorMap *map, mx_status *st)
 {
     sm90_map_key key;
     memset(&key, 0, sizeof key);
-    key.addr = a;
+    key.addr = base;
     key.dtype = sm90_dtype<TA>::kMap;
-    key.rank = 2;
+    key.rank = rank;
     key.dims[0] = static_cast<uint64_t>(k);
-    key.dims[1] = static_cast<uint64_t>(a_rows);
-    key.dims[2] = 1;
-    key.strides[0] = static_cast<uint64_t>(lda) * sizeof(TA);
+    key.dims[1] = static_cast<uint64_t>(rows);
+    key.dims[2] = static_cast<uint64_t>(experts);
+    key.strides[0] = static_cast<uint64_t>(row_stride) * sizeof(TA);
+    key.strides[1] = static_cast<uint64_t>(expert_stride) * sizeof(TA);
     key.box[0] = 128 / sizeof(TA);
-    key.box[1] = static_cast<uint32_t>(a_box_rows);
+    key.box[1] = static_cast<uint32_t>(box_rows);
     key.box[2] = 1;
     return sm90_tensor_map(key, map, st);
 }
 
-/* Tensor map of W [experts, n_rows, k], 128-byte K boxes of w_box_rows rows
- * of one expert. 0 => error (message in *st). */
+/* Tensor map of A [a_rows, k] (row stride lda elements of TA), boxes of
+ * a_box_rows rows. */
+template <typename TA>
+int sm90_rows_map(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, int64_t k, CUtensorMap *map,
+                  mx_status *st)
+{
+    return sm90_kmajor_map<TA>(a, 2, k, a_rows, lda, 1, 0, a_box_rows, map, st);
+}
+
+/* Tensor map of W [experts, n_rows, k], boxes of w_box_rows rows of one
+ * expert. */
 template <typename TA>
 int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, int w_box_rows, CUtensorMap *map,
                     mx_status *st)
 {
-    sm90_map_key key;
-    memset(&key, 0, sizeof key);
-    key.addr = w;
-    key.dtype = sm90_dtype<TA>::kMap;
-    key.rank = 3;
-    key.dims[0] = static_cast<uint64_t>(k);
-    key.dims[1] = static_cast<uint64_t>(n_rows);
-    key.dims[2] = static_cast<uint64_t>(experts);
-    key.strides[0] = static_cast<uint64_t>(k) * sizeof(TA);
-    key.strides[1] = static_cast<uint64_t>(n_rows * k) * sizeof(TA);
-    key.box[0] = 128 / sizeof(TA);
-    key.box[1] = static_cast<uint32_t>(w_box_rows);
-    key.box[2] = 1;
-    return sm90_tensor_map(key, map, st);
+    return sm90_kmajor_map<TA>(w, 3, k, n_rows, k, experts, n_rows * k, w_box_rows, map, st);
 }
 
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
