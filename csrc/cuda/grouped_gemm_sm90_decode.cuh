@@ -63,6 +63,10 @@ namespace {
 
 constexpr int kDecodeGroupN = 8; /* n tiles per chunk of the grid order (1024 weight rows) */
 
+/* GEMM1 kinds read their A rows by token from g.a with cp.async; DOWN and
+ * LINEAR read A [rows, K] by TMA. */
+__host__ __device__ constexpr bool decode_rows_from_x(int kind) { return kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR; }
+
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads)
     grouped_gemm_sm90_decode_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 B x kBlockT */
@@ -80,7 +84,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
-    constexpr bool kRowsFromX = !kLinear && KIND != MX_GEMM_DOWN; /* GEMM1: A rows read by token from g.a */
+    constexpr bool kRowsFromX = decode_rows_from_x(KIND);
     constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
     /* launched dependent (common.cuh): GEMM2 and LINEAR know their weight
      * tiles before the previous kernel ends (the tile table is older), GEMM1
@@ -385,7 +389,7 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
     CUtensorMap map_a, map_w;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st))
         return st;
-    if (KIND != MX_GEMM_DOWN && KIND != MX_GEMM_LINEAR)
+    if (decode_rows_from_x(KIND))
         map_a = map_w;
     else if (!sm90_rows_map<TA>(g.a, g.lda, KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
                                 Shape::kBlockT, g.k, &map_a, &st))
