@@ -24,13 +24,14 @@ namespace {
 
 constexpr int kFusedMaxTokens = 32;
 constexpr size_t kFusedMaxSmem = 160 * 1024;
+constexpr int kSplitRouting = -1; /* route_align_body's EPL for route_token_split: E / 32 warps a token */
 
-/* EPL: route_experts_per_lane(E) */
+/* The fused kernel's body: EPL = route_experts_per_lane(E) (a warp per
+ * token), or kSplitRouting (E / 32 warps per token); then warp 0 sorts. */
 template <int EPL>
-__global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
-    route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
-                       int block_m, int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
-                       int32_t *__restrict__ num_tiles)
+__device__ __forceinline__ void route_align_body(const mx_routing_problem &r, const int32_t *__restrict__ expert_map,
+                                                 int64_t local_experts, int block_m, int32_t *__restrict__ sorted_ids,
+                                                 int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
 {
     extern __shared__ float route_align_smem[];
     mx_griddep_wait();
@@ -39,32 +40,49 @@ __global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
     int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
     int32_t *ids = counters + 2 * local_experts; /* the sort reads the ids from here */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    route_token<EPL>(r, warp, route_align_smem + warp * rows, lane, ids);
+    if constexpr (EPL == kSplitRouting) {
+        const int W = static_cast<int>(r.num_experts / 32);
+        route_token_split(r, warp / W, route_align_smem + (warp / W) * rows, warp % W, lane, ids);
+    } else {
+        route_token<EPL>(r, warp, route_align_smem + warp * rows, lane, ids);
+    }
     __syncthreads(); /* the ids in shared memory are complete */
     if (warp == 0)
         moe_align_warp(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, counters,
                        sorted_ids, tile_expert, num_tiles);
 }
 
-/* The same with each token routed by W = E / 32 warps (route_token_split.cuh;
- * 32 W M threads). */
+template <int EPL>
+__global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
+    route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
+                       int block_m, int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
+                       int32_t *__restrict__ num_tiles)
+{
+    route_align_body<EPL>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles);
+}
+
 __global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
     route_align_split_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map,
                              int64_t local_experts, int block_m, int32_t *__restrict__ sorted_ids,
                              int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
 {
-    extern __shared__ float route_align_smem[];
-    mx_griddep_wait();
-    mx_griddep_launch_dependents();
-    const size_t rows = 4 * static_cast<size_t>(r.num_experts);
-    int32_t *counters = reinterpret_cast<int32_t *>(route_align_smem + r.num_tokens * rows);
-    int32_t *ids = counters + 2 * local_experts;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = static_cast<int>(r.num_experts / 32);
-    route_token_split(r, warp / W, route_align_smem + (warp / W) * rows, warp % W, lane, ids);
-    __syncthreads();
-    if (warp == 0)
-        moe_align_warp(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, counters,
-                       sorted_ids, tile_expert, num_tiles);
+    route_align_body<kSplitRouting>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles);
+}
+
+/* Launches one fused kernel (its shared-memory opt-in kept per kernel). */
+template <auto Kernel>
+mx_status launch_fused(const mx_experts_problem *p, int block_m, unsigned threads, size_t smem, int32_t *sorted_ids,
+                       int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream)
+{
+    static std::atomic<unsigned long long> configured{0};
+    if (smem > 48 * 1024) {
+        const mx_status st = mx_opt_in_smem(Kernel, kFusedMaxSmem, configured, "route_align_kernel");
+        if (st.code != MX_OK)
+            return st;
+    }
+    return mx_check_call(mx_launch_after(Kernel, dim3(1), dim3(threads), smem, stream, *p->routing, p->expert_map,
+                                         p->num_local_experts, block_m, sorted_ids, tile_expert, num_tiles),
+                         "route_align_kernel");
 }
 
 } /* namespace */
@@ -86,25 +104,17 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
         const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
                             sizeof(int32_t) * static_cast<size_t>(2 * p->num_local_experts + pairs);
         if (r->num_tokens <= kFusedMaxTokens && smem <= kFusedMaxSmem) {
-            /* more than 4 experts per lane: W warps per token where the arithmetic allows */
-            const bool split = r->num_experts > 128 && route_split_usable(r) &&
-                               r->num_experts / 32 * r->num_tokens <= kFusedMaxTokens;
-            const auto kernel = split ? &route_align_split_kernel
-                                      : route_pick_experts_per_lane(r->num_experts, [](auto epl) {
-                                            return &route_align_kernel<decltype(epl)::value>;
-                                        });
-            static std::atomic<unsigned long long> configured[9]; /* by EPL, 3 for split (no EPL 3) */
-            if (smem > 48 * 1024) {
-                st = mx_opt_in_smem(kernel, kFusedMaxSmem, configured[split ? 3 : route_experts_per_lane(r->num_experts)],
-                                    "route_align_kernel");
-                if (st.code != MX_OK)
-                    return st;
-            }
-            const unsigned threads = 32 * static_cast<unsigned>(r->num_tokens * (split ? r->num_experts / 32 : 1));
-            return mx_check_call(mx_launch_after(kernel, dim3(1), dim3(threads), smem, stream, *r,
-                                                 p->expert_map, p->num_local_experts, block_m, sorted_ids,
-                                                 tile_expert, num_tiles),
-                                 "route_align_kernel");
+            /* more than 4 experts per lane: E / 32 warps per token where the arithmetic allows */
+            const int64_t warps_per_token = r->num_experts / 32;
+            if (r->num_experts > 128 && route_split_usable(r) && warps_per_token * r->num_tokens <= kFusedMaxTokens)
+                return launch_fused<route_align_split_kernel>(p, block_m,
+                                                              static_cast<unsigned>(32 * warps_per_token * r->num_tokens),
+                                                              smem, sorted_ids, tile_expert, num_tiles, stream);
+            return route_pick_experts_per_lane(r->num_experts, [&](auto epl) {
+                return launch_fused<route_align_kernel<decltype(epl)::value>>(
+                    p, block_m, static_cast<unsigned>(32 * r->num_tokens), smem, sorted_ids, tile_expert, num_tiles,
+                    stream);
+            });
         }
         st = mx_cuda_route(r, stream);
         if (st.code != MX_OK)
