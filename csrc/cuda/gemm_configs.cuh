@@ -164,10 +164,10 @@ static inline int mx_tile_block_m(int config)
          : config == MX_TILE_SM90_DECODE32 ? mx_tile_sm90_decode32::kBlockT
          : config == MX_TILE_SM90_DECODE48 ? mx_tile_sm90_decode48::kBlockT
          : config == MX_TILE_SM90_MID      ? mx_tile_sm90_mid::kBlockT
-         : mx_tile_is_sm90(config)       ? kSm90BlockM
-         : config == MX_TILE_LARGE ? mx_tile_large::kBlockM
-         : config == MX_TILE_MID   ? mx_tile_mid::kBlockM
-                                   : mx_tile_decode::kBlockM;
+         : mx_tile_is_sm90(config)         ? kSm90BlockM
+         : config == MX_TILE_LARGE         ? mx_tile_large::kBlockM
+         : config == MX_TILE_MID           ? mx_tile_mid::kBlockM
+                                           : mx_tile_decode::kBlockM;
 }
 
 /* Rule: the expected rows per local expert, pairs / E_local (routing is
@@ -196,11 +196,10 @@ static inline int mx_select_tile_config(int64_t pairs, int64_t local_experts)
  * expert (Mixtral M = 64) many experts took two 16-token tiles and the
  * layer streamed at 3.5 TB/s against 4.2 at M = 32 (c627e2a). So: under 12
  * expected rows per expert 16-token tiles, under 24 32-token tiles, under
- * 36 48-token tiles, else 64-token tiles. (The 12 is not measured with this
- * kernel: at 8 rows per expert 32-token tiles, 377dba6, lost 2-6% to the
- * 16-token tiles of c627e2a on Mixtral M = 32, qwen3moe fp8 M = 128 and
- * gptoss fp8 M = 256, and won 5% on DeepSeek-V3 M = 256.) (Before: 16 under 32 rows, else
- * 64: the mma.sync rule's thresholds.) The kernel streams weights at the
+ * 36 48-token tiles, else 64-token tiles. (At 8 rows per expert 16-token
+ * tiles beat 377dba6's 32-token tiles by 2-12% at all 9 points: Mixtral
+ * M = 32, qwen3moe M = 128, gptoss M = 256, every dtype; H200, 16f4b97.)
+ * (Before: 16 under 32 rows, else 64: the mma.sync rule's thresholds.) The kernel streams weights at the
  * rate its loads in flight allow (ncu, qwen3moe bf16: 16-token tiles 82% of
  * DRAM peak, 64-token tiles 55%, their stages hold a third activations), so
  * the smallest tile that holds the fullest expert wins: at 32 rows per
