@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), 
 
 WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
 DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
+DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
 
 
 def compare_tensor(layer, out, x, logits, cfg, what):
@@ -94,6 +95,7 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
             assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
         else:
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
+            assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
             assert not any(GATHER_KERNEL in n for n in names), names
 
 
@@ -106,6 +108,29 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
         x = randn(gen, m, h, dtype=torch.float16, device="cuda")
         logits = randn(gen, m, e, device="cuda", scale=2.0)
         compare_tensor(layer, layer(x, logits), x, logits, CONFIGS[2], f"fp8 {method} split-K M={m}")
+        if on_hopper():
+            names = kernels_of(lambda: layer(x, logits))
+            assert any(DECODE_DOWN_FP8 in n for n in names), f"no {DECODE_DOWN_FP8} ran: {names}"
+
+
+@pytest.mark.parametrize("rows_per_expert", [5, 30])  # 16- and 48-token tiles
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_decode_down_walks_many_units(method, rows_per_expert, gen):
+    """The persistent FP8 GEMM2 with more work units than CTAs that fit the GPU (each CTA walks
+    several units, its ring running on across them), a partial chunk of n tiles (H = 1616: 13 n
+    tiles, the last partial) and fewer k blocks per unit than stages (I = 256: 2 k blocks)."""
+    e, k, h, i = 64, 2, 1616, 256
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
+    m = int(rows_per_expert * e / k)
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} down units M={m}")
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        tile = expected_gemm_kernel(m * k / e)
+        assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
 
 
 @pytest.mark.parametrize("m", [4, 512])  # decode kernel, persistent kernel

@@ -235,6 +235,35 @@ mx_status mx_opt_in_smem(Kernel kernel, size_t smem_bytes, std::atomic<unsigned 
     return mx_status_ok();
 }
 
+/* CTAs of `kernel` that fit the current device at once (SMs x CTAs per SM at
+ * this block size and dynamic shared memory: a persistent kernel's grid),
+ * asked once per device and kept in the caller's per-kernel `cache`. Call it
+ * after mx_opt_in_smem. */
+template <typename Kernel>
+mx_status mx_resident_ctas(Kernel kernel, int threads, size_t smem_bytes, std::atomic<int> (&cache)[64],
+                           const char *name, int *ctas)
+{
+    int device = 0;
+    mx_status st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
+    if (st.code != MX_OK)
+        return st;
+    std::atomic<int> &slot = cache[device & 63];
+    *ctas = slot.load(std::memory_order_relaxed);
+    if (*ctas > 0)
+        return mx_status_ok();
+    int per_sm = 0, sms = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || per_sm < 1 ||
+        sms < 1) {
+        cudaGetLastError();
+        return mx_status_fail(MX_ERR_CUDA, "%s: no CTA of %d threads and %zu bytes of shared memory fits an SM",
+                              name, threads, smem_bytes);
+    }
+    *ctas = per_sm * sms;
+    slot.store(*ctas, std::memory_order_relaxed);
+    return mx_status_ok();
+}
+
 /* ---- elements ------------------------------------------------------------ */
 
 template <typename T> __device__ __forceinline__ float mx_to_float(T v);

@@ -1,10 +1,39 @@
-/* Instantiations of the Hopper decode kernel (grouped_gemm_sm90_decode.cuh):
- * bfloat16 and float16 operands, and float8_e4m3 operands with per-tensor or
- * 128x128 block scales and a bfloat16 / float16 act dtype; 16-, 32-, 48-
- * and 64-token tiles; four kinds each. */
-#include "grouped_gemm_sm90_decode.cuh"
+/* Instantiations of the Hopper decode kernels: bfloat16 and float16
+ * operands, and float8_e4m3 operands with per-tensor or 128x128 block
+ * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
+ * tiles. The four expert kinds and LINEAR run grouped_gemm_sm90_decode.cuh,
+ * except FP8 GEMM2, which runs the persistent
+ * grouped_gemm_sm90_decode_down.cuh. */
+#include "grouped_gemm_sm90_decode_down.cuh"
 
 namespace {
+
+template <typename TA, typename T, typename Shape, int QUANT>
+mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
+                                   int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+{
+    if (m_tiles <= 0)
+        return mx_status_ok();
+    switch (kind) {
+    case MX_GEMM_GATE_UP:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    case MX_GEMM_GATE_UP_INTERLEAVED:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts, m_tiles,
+                                                                                    stream);
+    case MX_GEMM_UP:
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    case MX_GEMM_DOWN:
+        if constexpr (QUANT != MX_QUANT_NONE)
+            return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        else
+            return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    case MX_GEMM_LINEAR:
+        if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
+            return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        break;
+    }
+    return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: unknown kind %d", (int)kind);
+}
 
 template <typename TA, typename T, int QUANT>
 mx_status decode_for_types(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, int tile_config,

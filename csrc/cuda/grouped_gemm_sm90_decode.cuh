@@ -3,7 +3,10 @@
  * m64 wgmma each) and the tile's kBlockT sorted rows (tokens) its n, so a
  * 16-row tile costs m64n16 wgmmas instead of padding tokens to 64 rows.
  * Included by grouped_gemm_sm90_decode.cu, which instantiates it for
- * bfloat16, float16 and float8_e4m3 (per-tensor or 128x128 block scales).
+ * bfloat16, float16 and float8_e4m3 (per-tensor or 128x128 block scales),
+ * every kind but FP8 GEMM2: that one runs the persistent form of this
+ * kernel, grouped_gemm_sm90_decode_down.cuh, which shares the FP8 k block
+ * step below.
  *
  * Operands, K contiguous, read by TMA into 128B-swizzled slots as in
  * grouped_gemm_sm90_impl.cuh (128 bytes of K per stage; the same byte
@@ -66,6 +69,39 @@ constexpr int kDecodeGroupN = 8; /* n tiles per chunk of the grid order (1024 we
 /* GEMM1 kinds read their A rows by token from g.a with cp.async; DOWN and
  * LINEAR read A [rows, K] by TMA. */
 __host__ __device__ constexpr bool decode_rows_from_x(int kind) { return kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR; }
+
+/* One k block of FP8 products, promoted: its 4 chained k steps land in
+ * part0 / part1 (weight boxes 0 / 1 at w_src, w_src + box_bytes; A at
+ * a_src) and are added in float32 as acc += part * a_s[token slot] * w
+ * (a_s, w0, w1 are 1 with per-tensor scales): the tensor cores' own FP8
+ * accumulation keeps too few bits over the whole K. Accumulator e holds
+ * token slot 2 (e / 4) + e % 2. */
+template <int BT>
+__device__ __forceinline__ void decode_fp8_k_block(float (&acc0)[BT / 2], float (&acc1)[BT / 2], uint32_t w_src,
+                                                   uint32_t a_src, uint32_t box_bytes, const float (&a_s)[BT / 4],
+                                                   float w0, float w1)
+{
+    typedef __nv_fp8_e4m3 TA;
+    float part0[BT / 2], part1[BT / 2];
+    fence_acc(part0);
+    fence_acc(part1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        sm90_wgmma<TA, BT>::run(part0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), kk > 0);
+        sm90_wgmma<TA, BT>::run(part1, sw128_desc(w_src + box_bytes + kk * 32), sw128_desc(a_src + kk * 32), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(part0);
+    fence_acc(part1);
+#pragma unroll
+    for (int e = 0; e < BT / 2; ++e) {
+        const float a = a_s[2 * (e / 4) + (e % 2)];
+        acc0[e] = fmaf(part0[e], a * w0, acc0[e]);
+        acc1[e] = fmaf(part1[e], a * w1, acc1[e]);
+    }
+}
 
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads)
@@ -218,9 +254,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
             fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
         const uint32_t w_src = base + static_cast<uint32_t>(s) * STAGE_BYTES, a_src = w_src + W_BYTES;
         if constexpr (QUANT != MX_QUANT_NONE) {
-            /* FP8: each k block's products (4 k steps) land in part and are
-             * added in float32: the tensor cores' own FP8 accumulation keeps
-             * too few bits over the whole K */
             float a_s[BT / 4], w0 = 1.0f, w1 = 1.0f;
 #pragma unroll
             for (int j = 0; j < BT / 4; ++j)
@@ -232,26 +265,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
                 w0 = sw0[kb];
                 w1 = sw1[kb];
             }
-            float part0[NACC], part1[NACC];
-            fence_acc(part0);
-            fence_acc(part1);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                sm90_wgmma<TA, BT>::run(part0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), kk > 0);
-                sm90_wgmma<TA, BT>::run(part1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32),
-                                        kk > 0);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_acc(part0);
-            fence_acc(part1);
-#pragma unroll
-            for (int e = 0; e < NACC; ++e) {
-                const float a = a_s[2 * (e / 4) + (e % 2)];
-                acc0[e] = fmaf(part0[e], a * w0, acc0[e]);
-                acc1[e] = fmaf(part1[e], a * w1, acc1[e]);
-            }
+            decode_fp8_k_block<BT>(acc0, acc1, w_src, a_src, BOX_BYTES, a_s, w0, w1);
         } else {
             fence_acc(acc0);
             fence_acc(acc1);
@@ -398,31 +412,6 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
                                              Shape::kSmemBytes, stream, map_a, map_w, g, sc, static_cast<int>(m_tiles),
                                              static_cast<int>(n_tiles), static_cast<int>(kb_per_split)),
                          name);
-}
-
-/* The four expert kinds and LINEAR. */
-template <typename TA, typename T, typename Shape, int QUANT>
-mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
-                                   int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
-{
-    if (m_tiles <= 0)
-        return mx_status_ok();
-    switch (kind) {
-    case MX_GEMM_GATE_UP:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
-    case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts, m_tiles,
-                                                                                    stream);
-    case MX_GEMM_UP:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
-    case MX_GEMM_DOWN:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
-    case MX_GEMM_LINEAR:
-        if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
-            return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, local_experts, m_tiles, stream);
-        break;
-    }
-    return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90_decode: unknown kind %d", (int)kind);
 }
 
 } /* namespace */

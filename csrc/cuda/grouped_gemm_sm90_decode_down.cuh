@@ -1,0 +1,285 @@
+/* GEMM2 (the down projection) of FP8 experts at few rows per expert on
+ * Hopper (sm_90a): the decode kernel's operand swap and ring
+ * (grouped_gemm_sm90_decode.cuh: weight rows are wgmma's m, the tile's
+ * kBlockT sorted rows its n; A = act_q [rows, K] and W by TMA, 128 bytes
+ * of K per stage), made persistent. Instantiated by
+ * grouped_gemm_sm90_decode.cu for per-tensor and 128x128 block scales.
+ *
+ * Why a kernel of its own: FP8 GEMM2 units are short (qwen3moe's K = 768
+ * is 6 k blocks), and one CTA per unit drained its ring at every unit: the
+ * weight stream stalled at each CTA's start and epilogue (2.1 TB/s). Here
+ * the grid is the CTAs that fit the GPU at once (2 per SM), CTA b takes
+ * units b, b + grid, ..., and its ring of kStages k blocks runs on across
+ * units, so the next unit's weights stream in during a unit's last k blocks
+ * and its epilogue. H200, whole GEMM2: qwen3moe fp8_tensor M = 512 97 -> 83
+ * us, fp8_block M = 256 84 -> 68 us, deepseekv3 fp8_block M = 1 32 -> 27 us.
+ * The same scheme measured slower for the 16-bit GEMM2 at large M (gptoss
+ * bf16 M = 1024 562 -> 615 us, qwen3moe bf16 M = 512 125 -> 130 us) and for
+ * every GEMM1 (whose cp.async rows and activation epilogue made the kernel
+ * twice the code): those stay in the decode kernel. 2026-11-22.
+ *
+ * Work unit = one (m tile, n tile of 128 output columns, k split), in the
+ * decode kernel's grid order (chunks of kDecodeGroupN n tiles slowest, then
+ * m tiles, then the chunk's n tiles and k splits), counting only the m
+ * tiles in use and the n tiles that exist (a CTA whose units skipped the
+ * missing n tiles of the last chunk would do less work than its
+ * neighbours). Thread 0 is the producer: it walks the same units as the
+ * consumers, kStages k blocks ahead, and refills a slot once every warp's
+ * wgmmas on it have retired (wait_group 0, then a CTA barrier). Launched
+ * dependent: its first kStages weight loads go out before it waits for the
+ * kernel ahead (whose output is only A; the tile table is older).
+ * Epilogue straight from the accumulators: a thread holds weight rows r,
+ * r + 8 (r = 16 warp + lane / 4) of both boxes for tokens 8i + 2q + e
+ * (q = lane % 4, e = 0, 1) and stores float32 (acc * scale + bias on split
+ * 0) * routing weight into its split-K slice of y.
+ *
+ * The launcher guarantees what the decode kernel's does (tile tables with
+ * block_m = kBlockT, TMA preconditions, k splits of whole k blocks). */
+#ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_DECODE_DOWN_CUH
+#define MOE_EXT_CUDA_GROUPED_GEMM_SM90_DECODE_DOWN_CUH
+
+#include "grouped_gemm_sm90_decode.cuh"
+
+namespace {
+
+template <typename T, typename Shape, int QUANT>
+__global__ void __launch_bounds__(Shape::kThreads)
+    grouped_gemm_sm90_decode_down_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 B x kBlockT */
+                                         const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 B x 64 x 1 */
+                                         const mx_gemm_args g, const mx_sm90_scales sc,
+                                         int n_tiles,      /* n tiles per m tile */
+                                         int kb_per_split) /* k blocks per split-K slice */
+{
+#if MX_SM90_DEVICE_PASS
+    constexpr int BT = Shape::kBlockT, STAGES = Shape::kStages;
+    constexpr int NACC = BT / 2, NTOK = BT / 4; /* accumulators of one m64nBT wgmma, tokens, per thread */
+    constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
+    constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, q = lane % 4;
+    /* units in order: the full chunks of kDecodeGroupN n tiles, each m tile
+     * by m tile, then the last chunk's n_last n tiles the same way */
+    const int splits = g.k_splits, per_mt = kDecodeGroupN * splits;
+    const int tiles = *g.num_tiles;
+    const int n_chunks = (n_tiles + kDecodeGroupN - 1) / kDecodeGroupN;
+    const int n_last = n_tiles - (n_chunks - 1) * kDecodeGroupN;
+    const int full_units = (n_chunks - 1) * tiles * per_mt;
+    const int units = full_units + tiles * n_last * splits;
+    const int k_blocks = static_cast<int>((g.k + 127) / 128);
+    const int stride = static_cast<int>(gridDim.x);
+    struct unit_place {
+        int mt, split, kb0, kb1, expert;
+        int row0; /* the first weight row (output column) of the unit's 128 */
+    };
+    auto unit_at = [&](int u) {
+        unit_place d;
+        int in_chunk, per, chunk;
+        if (u < full_units) {
+            chunk = u / (per_mt * tiles);
+            in_chunk = u % (per_mt * tiles);
+            per = per_mt;
+        } else {
+            chunk = n_chunks - 1;
+            in_chunk = u - full_units;
+            per = n_last * splits;
+        }
+        d.mt = in_chunk / per;
+        d.row0 = (chunk * kDecodeGroupN + (in_chunk % per) / splits) * 128;
+        d.split = in_chunk % splits;
+        d.kb0 = d.split * kb_per_split;
+        d.kb1 = d.kb0 + kb_per_split < k_blocks ? d.kb0 + kb_per_split : k_blocks;
+        d.expert = g.tile_expert[d.mt];
+        return d;
+    };
+    const int first = static_cast<int>(blockIdx.x);
+    if (first >= units)
+        return; /* more CTAs than units in use */
+
+    extern __shared__ __align__(1024) unsigned char sm90_decode_down_smem[];
+    const uint32_t base = (mx_smem_addr(sm90_decode_down_smem) + 1023u) & ~1023u;
+    const uint32_t bars = base + STAGES * STAGE_BYTES;
+    auto full_bar = [&](int s) { return bars + 8u * static_cast<uint32_t>(s); };
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            mbar_init(full_bar(s), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        fence_proxy_async_smem();
+    }
+    __syncthreads();
+
+    /* The producer's place: unit p_unit (p), k block p_kb, ring step p_step.
+     * issue_w loads a stage's two weight boxes and announces the whole
+     * stage's bytes; issue_a its A rows. */
+    int p_unit = first, p_step = 0;
+    unit_place p = unit_at(first);
+    int p_kb = p.kb0;
+    auto p_advance = [&]() {
+        ++p_step;
+        if (++p_kb == p.kb1) {
+            p_unit += stride;
+            if (p_unit < units) {
+                p = unit_at(p_unit);
+                p_kb = p.kb0;
+            }
+        }
+    };
+    auto slot_at = [&](int s) { return base + static_cast<uint32_t>(s) * STAGE_BYTES; };
+    auto issue_w = [&]() {
+        const int s = p_step % STAGES;
+        mbar_arrive_expect_tx(full_bar(s), STAGE_BYTES);
+        tma_load_3d(slot_at(s), &tma_w, full_bar(s), p_kb * 128, p.row0, p.expert);
+        tma_load_3d(slot_at(s) + BOX_BYTES, &tma_w, full_bar(s), p_kb * 128, p.row0 + 64, p.expert);
+    };
+    auto issue_a = [&](int s, int kb, int mt) {
+        tma_load_2d(slot_at(s) + W_BYTES, &tma_a, full_bar(s), kb * 128, mt * BT);
+    };
+    if (tid == 0) {
+        tma_prefetch_map(&tma_w);
+        tma_prefetch_map(&tma_a);
+        /* the first stages: weights now, A once the kernel ahead is done */
+        int fill_kb[STAGES], fill_mt[STAGES], fill = 0;
+#pragma unroll 1
+        for (; fill < STAGES && p_unit < units; ++fill) {
+            fill_kb[fill] = p_kb;
+            fill_mt[fill] = p.mt;
+            issue_w();
+            p_advance();
+        }
+        mx_griddep_wait();
+        mx_griddep_launch_dependents();
+#pragma unroll 1
+        for (int f = 0; f < fill; ++f)
+            issue_a(f, fill_kb[f], fill_mt[f]);
+    } else {
+        mx_griddep_wait();
+        mx_griddep_launch_dependents();
+    }
+
+    const int r = warp * 16 + lane / 4; /* the thread's first weight row of each box */
+    int step = 0;
+    for (int unit = first; unit < units; unit += stride) {
+        const unit_place d = unit_at(unit);
+        const int64_t a_row = static_cast<int64_t>(d.mt) * BT;
+        /* the thread's tokens: slot j is row 8 (j / 2) + 2q + j % 2 of the
+         * tile; its pair, -1 for padding */
+        int32_t pair[NTOK];
+#pragma unroll
+        for (int j = 0; j < NTOK; ++j)
+            pair[j] = g.sorted_ids[a_row + 8 * (j / 2) + 2 * q + (j % 2)];
+        const float *sw0 = nullptr, *sw1 = nullptr;
+        if (kBlockScales) {
+            const float *we = sc.w_scale + static_cast<int64_t>(d.expert) * sc.w_rows * sc.w_ld;
+            const int64_t b0 = d.row0 / 128, b1 = (d.row0 + 64) / 128; /* boxes past n_rows read zeros */
+            sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld;
+            sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
+        }
+
+        float acc0[NACC], acc1[NACC]; /* weight rows of box 0 / box 1 */
+#pragma unroll
+        for (int i = 0; i < NACC; ++i)
+            acc0[i] = acc1[i] = 0.0f;
+        for (int kb = d.kb0; kb < d.kb1; ++kb, ++step) {
+            const int s = step % STAGES;
+            mbar_wait(full_bar(s), static_cast<uint32_t>(step / STAGES) & 1u);
+            float a_s[NTOK], w0 = 1.0f, w1 = 1.0f;
+#pragma unroll
+            for (int j = 0; j < NTOK; ++j)
+                a_s[j] = !kBlockScales ? 1.0f
+                         : pair[j] < 0 ? 0.0f
+                                       : sc.a_scale[(a_row + 8 * (j / 2) + 2 * q + (j % 2)) * sc.a_ld + kb];
+            if (kBlockScales) {
+                w0 = sw0[kb];
+                w1 = sw1[kb];
+            }
+            decode_fp8_k_block<BT>(acc0, acc1, slot_at(s), slot_at(s) + W_BYTES, BOX_BYTES, a_s, w0, w1);
+            __syncthreads(); /* every warp's wgmmas on slot s have retired */
+            if (tid == 0 && p_unit < units) { /* the next stage into the slot just left */
+                issue_w();
+                issue_a(p_step % STAGES, p_kb, p.mt);
+                p_advance();
+            }
+        }
+
+        /* epilogue: weight row h of box b is row0 + 64 b + r + 8h; the
+         * accumulator of token slot j is e = 4 (j / 2) + 2h + j % 2 */
+        const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[d.expert] : 1.0f;
+        const T *bias = g.bias && d.split == 0 ? static_cast<const T *>(g.bias) + static_cast<int64_t>(d.expert) * g.n_rows
+                                               : nullptr;
+        float bias0[2], bias1[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int64_t row = d.row0 + r + 8 * h;
+            bias0[h] = bias && row < g.n_rows ? mx_to_float(bias[row]) : 0.0f;
+            bias1[h] = bias && row + 64 < g.n_rows ? mx_to_float(bias[row + 64]) : 0.0f;
+        }
+        float *y = static_cast<float *>(g.out) + d.split * g.out_split_stride;
+#pragma unroll
+        for (int j = 0; j < NTOK; ++j) {
+            if (pair[j] < 0)
+                continue;
+            const float w = g.scale_by_weight ? g.topk_weights[pair[j]] : 1.0f;
+            float *out = y + static_cast<int64_t>(pair[j]) * g.ldo;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int e = 4 * (j / 2) + 2 * h + (j % 2);
+                const int64_t col = d.row0 + r + 8 * h;
+                if (col < g.out_cols)
+                    out[col] = (acc0[e] * scale + bias0[h]) * w;
+                if (col + 64 < g.out_cols)
+                    out[col + 64] = (acc1[e] * scale + bias1[h]) * w;
+            }
+        }
+    }
+#else
+    __trap(); /* launched only where mx_cuda_sm90_gemm_available() saw sm_90a code */
+#endif
+}
+
+/* GEMM2 of FP8 experts over A = g.a [rows, K] (act_q, stride g.lda bytes);
+ * the caller checked the TMA preconditions. m_tiles: the worst case of the
+ * tile table. */
+template <typename T, typename Shape, int QUANT>
+mx_status launch_sm90_decode_down(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
+                                  int64_t m_tiles, cudaStream_t stream)
+{
+    typedef __nv_fp8_e4m3 TA;
+    auto kernel = grouped_gemm_sm90_decode_down_kernel<T, Shape, QUANT>;
+    const int64_t n_tiles = mx_ceil_div(g.n_rows, 128);
+    const int64_t k_blocks = mx_ceil_div(g.k, 128);
+    const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / 128;
+    static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_down_kernel<%s, %d%s>", sm90_dtype<T>::name(),
+                                            Shape::kBlockT, sm90_quant_names[QUANT]);
+    const char *name = kernel_name.text;
+    if (g.k_splits < 1 || kb_per_split < 1 || (g.k_splits > 1 && g.k_split_len % 128) ||
+        mx_ceil_div(k_blocks, kb_per_split) != g.k_splits)
+        return mx_status_fail(MX_ERR_VALUE, "%s: %d k splits of %lld do not tile k = %lld", name, g.k_splits,
+                              (long long)g.k_split_len, (long long)g.k);
+    const int64_t units = m_tiles * n_tiles * g.k_splits;
+    if (units > 0x3fffffff || m_tiles * Shape::kBlockT > 0x7fffffff)
+        return mx_status_fail(MX_ERR_VALUE, "%s: %lld work units exceed the grid", name, (long long)units);
+    if (units == 0)
+        return mx_status_ok();
+
+    static std::atomic<unsigned long long> configured{0};
+    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
+    if (st.code != MX_OK)
+        return st;
+    static std::atomic<int> resident[64];
+    int ctas = 0;
+    st = mx_resident_ctas(kernel, Shape::kThreads, Shape::kSmemBytes, resident, name, &ctas);
+    if (st.code != MX_OK)
+        return st;
+    const int64_t grid = units < ctas ? units : ctas;
+    CUtensorMap map_a, map_w;
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st) ||
+        !sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockT, Shape::kBlockT, g.k, &map_a, &st))
+        return st;
+    return mx_check_call(mx_launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(Shape::kThreads),
+                                             Shape::kSmemBytes, stream, map_a, map_w, g, sc,
+                                             static_cast<int>(n_tiles), static_cast<int>(kb_per_split)),
+                         name);
+}
+
+} /* namespace */
+
+#endif /* MOE_EXT_CUDA_GROUPED_GEMM_SM90_DECODE_DOWN_CUH */
