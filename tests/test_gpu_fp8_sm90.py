@@ -44,7 +44,7 @@ def loaded(gen, style, method, dtype, e, k, h, i, cfg):
     name, kw, has_bias, gated, _ = cfg
     model, layer = fp8_model(style, method, "cuda", dtype=dtype, e=e, k=k, h=h, i=i, **kw)
     ckpt, _ = checkpoint(gen, style, e=e, h=h, i=i, has_bias=has_bias, gated=gated, dtype=dtype)
-    vllm_load(model, ckpt, style)
+    vllm_load(model, ckpt, style, num_experts=e)
     return layer
 
 
@@ -113,24 +113,29 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
             assert any(DECODE_DOWN_FP8 in n for n in names), f"no {DECODE_DOWN_FP8} ran: {names}"
 
 
+@pytest.mark.parametrize("i", [256, 1280])  # 2 and 10 k blocks per unit
 @pytest.mark.parametrize("rows_per_expert", [5, 30])  # 16- and 48-token tiles
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_decode_down_walks_many_units(method, rows_per_expert, gen):
-    """The persistent FP8 GEMM2 with more work units than CTAs that fit the GPU (each CTA walks
-    several units, its ring running on across them), a partial chunk of n tiles (H = 1616: 13 n
-    tiles, the last partial) and fewer k blocks per unit than stages (I = 256: 2 k blocks)."""
-    e, k, h, i = 64, 2, 1616, 256
+def test_fp8_decode_down_walks_many_units(method, rows_per_expert, i, gen):
+    """FP8 GEMM2 with more work units than CTAs that fit the GPU and a partial chunk of n tiles
+    (H = 1616: 13 n tiles). Units of up to 8 k blocks (I = 256) run the persistent down kernel,
+    each CTA walking several units with its ring running on across them (2 k blocks per unit,
+    fewer than the stages); longer ones (I = 1280) the decode kernel, one CTA per unit."""
+    e, k, h = 64, 2, 1616
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
     m = int(rows_per_expert * e / k)
     x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     out = layer(x, logits)
     assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} down units M={m}")
+    compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} down I={i} M={m}")
     if on_hopper():
         names = kernels_of(lambda: layer(x, logits))
         tile = expected_gemm_kernel(m * k / e)
-        assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
+        persistent = any(DECODE_DOWN_FP8 in n and tile in n for n in names)
+        down_kind = f", 3, {1 if method == 'tensor' else 2}>"  # template arguments MX_GEMM_DOWN, quant
+        decode_down = any(DECODE_FP8 in n and tile in n and down_kind in n for n in names)
+        assert (persistent, decode_down) == (i == 256, i == 1280), names
 
 
 @pytest.mark.parametrize("m", [4, 512])  # decode kernel, persistent kernel

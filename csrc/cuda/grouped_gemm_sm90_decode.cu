@@ -1,9 +1,9 @@
 /* Instantiations of the Hopper decode kernels: bfloat16 and float16
  * operands, and float8_e4m3 operands with per-tensor or 128x128 block
  * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
- * tiles. The four expert kinds and LINEAR run grouped_gemm_sm90_decode.cuh,
- * except FP8 GEMM2, which runs the persistent
- * grouped_gemm_sm90_decode_down.cuh. */
+ * tiles. The four expert kinds and LINEAR run grouped_gemm_sm90_decode.cuh;
+ * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
+ * rule (sm90_decode_down_grid) says that pays. */
 #include "grouped_gemm_sm90_decode_down.cuh"
 
 namespace {
@@ -23,10 +23,15 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
     case MX_GEMM_UP:
         return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
-        if constexpr (QUANT != MX_QUANT_NONE)
-            return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, stream);
-        else
-            return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        if constexpr (QUANT != MX_QUANT_NONE) {
+            int64_t grid = 0;
+            const mx_status st = sm90_decode_down_grid<T, Shape, QUANT>(*g, m_tiles, &grid);
+            if (st.code != MX_OK)
+                return st;
+            if (grid > 0)
+                return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, grid, stream);
+        }
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_LINEAR:
         if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
             return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, local_experts, m_tiles, stream);

@@ -235,41 +235,62 @@ __global__ void __launch_bounds__(Shape::kThreads)
 #endif
 }
 
-/* GEMM2 of FP8 experts over A = g.a [rows, K] (act_q, stride g.lda bytes);
- * the caller checked the TMA preconditions. m_tiles: the worst case of the
- * tile table. */
+/* The down kernel's grid for this GEMM2 (the CTAs that fit the GPU at once,
+ * at most one per unit), or 0 where the decode kernel, one CTA per unit,
+ * should run it instead. Persistence pays where units are short (up to 8 k
+ * blocks: the ring's drain at every unit is what it saves) or few (up to two
+ * per CTA, about one wave). Many long units ran slower here than one CTA per
+ * unit: deepseekv3 fp8_tensor M = 512 (16 k blocks, 54 units per CTA) 967
+ * against 869 us, gptoss fp8_tensor M = 512 (23 k blocks) 315 against 299
+ * us, while qwen3moe fp8_tensor M = 512 (6 k blocks) 84 against 97 us,
+ * deepseekv3 fp8_block M = 1 (1.7 units per CTA) 26 against 31 us (H200,
+ * 2026-11-22; most likely the hardware's CTA scheduler balances the SMs
+ * better than a fixed share of units does, untested). */
+template <typename T, typename Shape, int QUANT>
+mx_status sm90_decode_down_grid(const mx_gemm_args &g, int64_t m_tiles, int64_t *grid)
+{
+    *grid = 0;
+    const int64_t unit_k_blocks = mx_ceil_div(g.k_splits == 1 ? g.k : g.k_split_len, 128);
+    const int64_t units = m_tiles * mx_ceil_div(g.n_rows, 128) * g.k_splits;
+    auto kernel = grouped_gemm_sm90_decode_down_kernel<T, Shape, QUANT>;
+    static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_down_kernel<%s, %d%s>", sm90_dtype<T>::name(),
+                                            Shape::kBlockT, sm90_quant_names[QUANT]);
+    static std::atomic<unsigned long long> configured{0};
+    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, kernel_name.text);
+    if (st.code != MX_OK)
+        return st;
+    static std::atomic<int> resident[64];
+    int ctas = 0;
+    st = mx_resident_ctas(kernel, Shape::kThreads, Shape::kSmemBytes, resident, kernel_name.text, &ctas);
+    if (st.code != MX_OK)
+        return st;
+    if (unit_k_blocks <= 8 || units <= 2 * static_cast<int64_t>(ctas))
+        *grid = units < ctas ? units : ctas;
+    return mx_status_ok();
+}
+
+/* GEMM2 of FP8 experts over A = g.a [rows, K] (act_q, stride g.lda bytes)
+ * on `grid` CTAs (from sm90_decode_down_grid); the caller checked the TMA
+ * preconditions. m_tiles: the worst case of the tile table. */
 template <typename T, typename Shape, int QUANT>
 mx_status launch_sm90_decode_down(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
-                                  int64_t m_tiles, cudaStream_t stream)
+                                  int64_t m_tiles, int64_t grid, cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 TA;
     auto kernel = grouped_gemm_sm90_decode_down_kernel<T, Shape, QUANT>;
     const int64_t n_tiles = mx_ceil_div(g.n_rows, 128);
     const int64_t k_blocks = mx_ceil_div(g.k, 128);
     const int64_t kb_per_split = g.k_splits == 1 ? k_blocks : g.k_split_len / 128;
-    static const mx_kernel_name kernel_name("grouped_gemm_sm90_decode_down_kernel<%s, %d%s>", sm90_dtype<T>::name(),
-                                            Shape::kBlockT, sm90_quant_names[QUANT]);
-    const char *name = kernel_name.text;
+    const char *name = "grouped_gemm_sm90_decode_down_kernel";
     if (g.k_splits < 1 || kb_per_split < 1 || (g.k_splits > 1 && g.k_split_len % 128) ||
         mx_ceil_div(k_blocks, kb_per_split) != g.k_splits)
         return mx_status_fail(MX_ERR_VALUE, "%s: %d k splits of %lld do not tile k = %lld", name, g.k_splits,
                               (long long)g.k_split_len, (long long)g.k);
     const int64_t units = m_tiles * n_tiles * g.k_splits;
-    if (units > 0x3fffffff || m_tiles * Shape::kBlockT > 0x7fffffff)
-        return mx_status_fail(MX_ERR_VALUE, "%s: %lld work units exceed the grid", name, (long long)units);
-    if (units == 0)
-        return mx_status_ok();
-
-    static std::atomic<unsigned long long> configured{0};
-    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
-    if (st.code != MX_OK)
-        return st;
-    static std::atomic<int> resident[64];
-    int ctas = 0;
-    st = mx_resident_ctas(kernel, Shape::kThreads, Shape::kSmemBytes, resident, name, &ctas);
-    if (st.code != MX_OK)
-        return st;
-    const int64_t grid = units < ctas ? units : ctas;
+    if (units > 0x3fffffff || m_tiles * Shape::kBlockT > 0x7fffffff || grid < 1 || grid > units)
+        return mx_status_fail(MX_ERR_VALUE, "%s: %lld work units on %lld CTAs", name, (long long)units,
+                              (long long)grid);
+    mx_status st;
     CUtensorMap map_a, map_w;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st) ||
         !sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockT, Shape::kBlockT, g.k, &map_a, &st))
