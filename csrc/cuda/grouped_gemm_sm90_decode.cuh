@@ -30,8 +30,12 @@
  * (no tile table, g.rows rows, one "expert"), out = acc * scale + bias in T.
  * Thread 0 (with warp 0 for GEMM1's cp.async rows) keeps kStages k blocks of
  * loads in flight: it refills a slot once every warp's wgmmas on it have
- * retired (wait_group 0, then a CTA barrier), so the weight stream never
- * stops while the math, a few hundred cycles per 16 KB k block, waits.
+ * retired (then a CTA barrier), so the weight stream never stops while the
+ * math, a few hundred cycles per 16 KB k block, waits. 16-bit operands keep
+ * one k block of wgmmas in flight (wait_group 1: the slot refilled is the
+ * previous k block's), so a CTA does not stall on each k block's wgmma
+ * latency; FP8 waits for each k block's products (wait_group 0) to promote
+ * them.
  * FP8: wgmma's own FP8 accumulation keeps too few bits over a whole K
  * (without promotion a test of 144 tokens erred 0.025 against the 2e-2
  * bound), so each k block's products (128 fp8 columns, 4 chained k steps:
@@ -276,16 +280,24 @@ __global__ void __launch_bounds__(Shape::kThreads)
                 sm90_wgmma<TA, BT>::run(acc1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32), 1);
             }
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<1>(); /* the previous k block's wgmmas; this one's stay in flight */
             fence_acc(acc0);
             fence_acc(acc1);
         }
-        __syncthreads(); /* every warp's wgmmas on slot s have retired */
-        if (tid < kLoaders && kb + STAGES < kb1) {
+        /* the k block whose slot is free: this one (FP8 waited for its
+         * products), the previous one (16-bit) */
+        const int done = QUANT != MX_QUANT_NONE ? kb : kb - 1;
+        __syncthreads(); /* every warp's wgmmas on that slot have retired */
+        if (tid < kLoaders && done >= kb0 && done + STAGES < kb1) {
             if (tid == 0)
-                issue_w(kb + STAGES);
-            issue_a(kb + STAGES);
+                issue_w(done + STAGES);
+            issue_a(done + STAGES);
         }
+    }
+    if (QUANT == MX_QUANT_NONE) {
+        wgmma_wait<0>();
+        fence_acc(acc0);
+        fence_acc(acc1);
     }
 
     /* epilogue: every issued load was waited for, so the ring is free */
