@@ -76,12 +76,12 @@ def test_routing_beyond_register_experts(e, k, m, gen):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_sort_split_over_chunks_past_8192_pairs(cfg, gen):
-    """Past 8192 (token, slot) pairs the sort runs as count / scan / scatter launches over
+def test_sort_split_over_chunks_past_4096_pairs(cfg, gen):
+    """Past 4096 (token, slot) pairs the sort runs as count / scan / scatter launches over
     chunks of the pairs (csrc/cuda/moe_align.cu); the same results as the reference."""
     _, e, k, kw, corr = cfg
     layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=32, i=16)
-    m = 8192 // k + 37
+    m = 4096 // k + 37
     x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     want, margin = reference(x, logits)
