@@ -131,6 +131,18 @@ typedef mx_sm90_decode_shape<32, 5> mx_tile_sm90_decode32;
 typedef mx_sm90_decode_shape<48, 5> mx_tile_sm90_decode48;
 /* 64 tokens, 4 stages of 24 KB (97 KB), 2 CTAs per SM. */
 typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
+/* GEMM1 kinds run the same tiles with fewer stages: 4 of 18 KB for 16
+ * tokens, else 3 (63-75 KB), so 3 CTAs share an SM (where the registers
+ * allow: not FP8 block scales at 48 / 64 tokens) and one CTA's epilogue and
+ * first loads overlap two others' streams, at about the same bytes in flight
+ * per SM. GEMM1 shares against the shapes above (H200, 517d5fd): qwen3moe
+ * fp8_tensor M = 512 139.6 -> 126.2 us, fp8_block 158.9 -> 154.9, bf16
+ * 220.8 -> 214.1; Mixtral bf16 M = 8 / 128 287.9 -> 280.1 / 481.3 -> 473.4;
+ * qwen3moe bf16 M = 1 / 64 22.3 -> 22.1 / 194.8 -> 196.9. GEMM2 keeps the
+ * deeper rings: with them Mixtral's (8 experts, split-K at M = 1) lost 7-12%
+ * (bf16 M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
+template <typename Shape>
+using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::kBlockT == 16 ? 4 : 3>;
 
 enum mx_tile_config {
     MX_TILE_DECODE = 0,

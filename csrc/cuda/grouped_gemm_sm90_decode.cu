@@ -1,7 +1,9 @@
 /* Instantiations of the Hopper decode kernels: bfloat16 and float16
  * operands, and float8_e4m3 operands with per-tensor or 128x128 block
  * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
- * tiles. The four expert kinds and LINEAR run grouped_gemm_sm90_decode.cuh;
+ * tiles (GEMM1 kinds with fewer stages: gemm_configs.cuh
+ * mx_sm90_decode_gemm1_shape). The four expert kinds and LINEAR run
+ * grouped_gemm_sm90_decode.cuh;
  * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
  * rule (sm90_decode_down_grid) says that pays. */
 #include "grouped_gemm_sm90_decode_down.cuh"
@@ -14,14 +16,15 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
 {
     if (m_tiles <= 0)
         return mx_status_ok();
+    typedef mx_sm90_decode_gemm1_shape<Shape> Gemm1Shape;
     switch (kind) {
     case MX_GEMM_GATE_UP:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_decode<TA, T, Gemm1Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts, m_tiles,
-                                                                                    stream);
+        return launch_sm90_decode<TA, T, Gemm1Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts,
+                                                                                         m_tiles, stream);
     case MX_GEMM_UP:
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_decode<TA, T, Gemm1Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
         if constexpr (QUANT != MX_QUANT_NONE) {
             int64_t grid = 0;
