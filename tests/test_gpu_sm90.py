@@ -47,6 +47,27 @@ def test_matches_reference(cfg, dtype, rows_per_expert, gen):
             assert not any(GATHER_KERNEL in n for n in names), names
 
 
+@pytest.mark.parametrize("tail", ["sparse", "full"])
+def test_decode_gemm1_ring_by_last_wave(tail, gen):
+    """GEMM1 on 16-token tiles takes the shallow ring (3 CTAs per SM) unless its grid is more
+    than one wave of it and the last wave is under a third full (grouped_gemm_sm90_decode.cu
+    launch_sm90_decode_gemm1). One token, top-2 of 4 experts: 2 tiles x I / 64 CTAs."""
+    if not on_hopper():
+        pytest.skip("the ring choice is the Hopper decode kernel's")
+    slots = 3 * torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = slots + 2 * (slots // 8 if tail == "sparse" else slots // 3)  # last wave 1/4 or 2/3 full
+    i = 64 * (ctas // 2)
+    layer, _, reference = cuda_case(gen, torch.bfloat16, 4, dict(top_k=2), False, h=64, i=i)
+    x = randn(gen, 1, 64, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, 1, 4, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+    names = kernels_of(lambda: layer(x, logits))
+    stages = 6 if tail == "sparse" else 4
+    gemm1 = f"{DECODE_KERNEL}<__nv_bfloat16, __nv_bfloat16, mx_sm90_decode_shape<16, {stages}>, 0, 0>"
+    assert any(gemm1 in n for n in names), names
+
+
 @pytest.mark.parametrize("m", [1, 2, 7])
 def test_decode_split_k(m, gen):
     """Few experts and a long I: GEMM2 runs in split-K slices (bias on slice 0 only)."""

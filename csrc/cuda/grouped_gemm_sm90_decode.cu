@@ -10,21 +10,43 @@
 
 namespace {
 
+/* GEMM1 on the shallow ring (mx_sm90_decode_gemm1_shape: 3 CTAs per SM),
+ * except 16-token tiles whose grid is more than one wave of it with the last
+ * wave under a third full: those keep the deep ring (2 per SM). Mixtral at
+ * M = 1 (448 CTAs: 1.13 waves of 396, against 1.7 of 264) lost 3-6% per
+ * forward on the shallow ring; qwen3moe at M = 8 (684 CTAs, 1.73 waves) gained
+ * 3-6% (H200, 5c39a5a against 0d4cd5f). */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
+                                   int64_t m_tiles, cudaStream_t stream)
+{
+    typedef mx_sm90_decode_gemm1_shape<Shape> Shallow;
+    if constexpr (Shape::kBlockT == 16) {
+        int slots = 0;
+        const mx_status st = sm90_decode_opt_in<TA, T, Shallow, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
+        if (st.code != MX_OK)
+            return st;
+        const int64_t ctas = m_tiles * (KIND == MX_GEMM_UP ? mx_ceil_div(g.n_rows, 128) : mx_ceil_div(g.out_cols, 64));
+        if (ctas > slots && 3 * (ctas % slots) < slots)
+            return launch_sm90_decode<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
+    }
+    return launch_sm90_decode<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
+}
+
 template <typename TA, typename T, typename Shape, int QUANT>
 mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
                                    int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
         return mx_status_ok();
-    typedef mx_sm90_decode_gemm1_shape<Shape> Gemm1Shape;
     switch (kind) {
     case MX_GEMM_GATE_UP:
-        return launch_sm90_decode<TA, T, Gemm1Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_decode_gemm1<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90_decode<TA, T, Gemm1Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts,
-                                                                                         m_tiles, stream);
+        return launch_sm90_decode_gemm1<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts,
+                                                                                          m_tiles, stream);
     case MX_GEMM_UP:
-        return launch_sm90_decode<TA, T, Gemm1Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_decode_gemm1<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
         if constexpr (QUANT != MX_QUANT_NONE) {
             int64_t grid = 0;

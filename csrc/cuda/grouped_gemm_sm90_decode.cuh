@@ -376,6 +376,20 @@ __global__ void __launch_bounds__(Shape::kThreads)
 #endif
 }
 
+/* The decode kernel's shared-memory opt-in (once per device), and where
+ * resident_ctas is given the CTAs of it that fit the GPU at once. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+mx_status sm90_decode_opt_in(const char *name, int *resident_ctas)
+{
+    auto kernel = grouped_gemm_sm90_decode_kernel<TA, T, Shape, KIND, QUANT>;
+    static std::atomic<unsigned long long> configured{0};
+    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
+    if (st.code != MX_OK || !resident_ctas)
+        return st;
+    static std::atomic<int> resident[64];
+    return mx_resident_ctas(kernel, Shape::kThreads, Shape::kSmemBytes, resident, name, resident_ctas);
+}
+
 /* One GEMM of the decode kernel over A = g.a [rows, K] (stride g.lda
  * elements of TA); the caller checked the TMA preconditions. */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
@@ -405,8 +419,7 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
     if (grid == 0)
         return mx_status_ok();
 
-    static std::atomic<unsigned long long> configured{0};
-    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
+    mx_status st = sm90_decode_opt_in<TA, T, Shape, KIND, QUANT>(name, nullptr);
     if (st.code != MX_OK)
         return st;
     /* A rows by TMA: LINEAR the rows of a (TMA zero-fills the last tile); DOWN
