@@ -51,15 +51,18 @@ def test_matches_reference(cfg, dtype, rows_per_expert, gen):
 def test_decode_gemm1_ring_by_last_wave(tail, gen):
     """GEMM1 on 16-token tiles takes the shallow ring (3 CTAs per SM) unless its grid is more
     than one wave of it and the last wave is under a third full (grouped_gemm_sm90_decode.cu
-    launch_sm90_decode_gemm1). One token, top-2 of 4 experts: 2 tiles x I / 64 CTAs."""
+    launch_sm90_decode_gemm1, which counts E (1 - (1 - 1/E)^pairs) tiles: 1.94 here). One token,
+    top-2 of 16 experts: 2 tiles x I / 64 CTAs."""
     if not on_hopper():
         pytest.skip("the ring choice is the Hopper decode kernel's")
     slots = 3 * torch.cuda.get_device_properties(0).multi_processor_count
-    ctas = slots + 2 * (slots // 8 if tail == "sparse" else slots // 3)  # last wave 1/4 or 2/3 full
-    i = 64 * (ctas // 2)
-    layer, _, reference = cuda_case(gen, torch.bfloat16, 4, dict(top_k=2), False, h=64, i=i)
+    n_tiles = (slots + (slots // 8 if tail == "sparse" else 2 * (slots // 3))) // 2
+    e = 16
+    ctas = int((e * (1 - (1 - 1 / e) ** 2)) * n_tiles + 0.5)
+    assert (ctas > slots and 3 * (ctas % slots) < slots) == (tail == "sparse")
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(top_k=2), False, h=64, i=64 * n_tiles)
     x = randn(gen, 1, 64, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, 1, 4, device="cuda", scale=2.0)
+    logits = randn(gen, 1, e, device="cuda", scale=2.0)
     want, margin = reference(x, logits)
     check(layer(x, logits), want, margin, torch.bfloat16)
     names = kernels_of(lambda: layer(x, logits))

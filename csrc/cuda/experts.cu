@@ -209,6 +209,8 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     g1.k_splits = 1;
     g1.k_split_len = H;
     g1.out_split_stride = 0;
+    g1.rows = 0;
+    g1.pairs = plan.pairs;
     const mx_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_GEMM_UP
                              : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                  : MX_GEMM_GATE_UP;

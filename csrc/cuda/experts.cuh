@@ -67,6 +67,8 @@ typedef struct mx_gemm_args {
     int64_t out_split_stride;     /* elements between the y slices of consecutive splits */
     int64_t rows;                 /* dense (LINEAR, sorted_ids NULL) launches of the Hopper decode kernel:
                                      rows of a and out; 0 otherwise */
+    int64_t pairs;                /* GEMM kinds: the (token, slot) pairs of the tile table, 0 if unknown
+                                     (a launch-shape hint of the Hopper decode kernel) */
 } mx_gemm_args;
 
 #ifdef __cplusplus

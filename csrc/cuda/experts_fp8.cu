@@ -215,6 +215,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g1.num_tiles = num_tiles;
     g1.topk_weights = p->topk_weights;
     g1.top_k = p->top_k;
+    g1.pairs = plan.pairs;
     g1.activation = p->activation;
     g1.swiglu_alpha = p->swiglu_alpha;
     g1.swiglu_limit = p->swiglu_limit;

@@ -124,6 +124,8 @@ typedef struct mx_fp8_gemm_args {
     const int32_t *tile_expert; /* [tiles] */
     const int32_t *num_tiles;   /* [1] (device) */
     int64_t rows;               /* LINEAR: rows of a and out */
+    int64_t pairs;              /* GEMM kinds: the (token, slot) pairs of the tile table, 0 if unknown (a
+                                   launch-shape hint of the Hopper decode kernel) */
     const float *topk_weights;  /* [M, top_k] (GEMM2 epilogue) */
     int top_k;
     int activation;             /* mx_activation */

@@ -70,6 +70,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.k_split_len = f->k_split_len;
     g.out_split_stride = f->out_split_stride;
     g.rows = kind == MX_GEMM_LINEAR ? f->rows : 0;
+    g.pairs = kind == MX_GEMM_LINEAR ? 0 : f->pairs;
     mx_sm90_scales sc;
     sc.a_scale = f->a_scale;
     sc.a_ld = f->a_scale_ld;

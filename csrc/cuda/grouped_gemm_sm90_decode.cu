@@ -6,6 +6,8 @@
  * grouped_gemm_sm90_decode.cuh;
  * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
  * rule (sm90_decode_down_grid) says that pays. */
+#include <math.h>
+
 #include "grouped_gemm_sm90_decode_down.cuh"
 
 namespace {
@@ -14,8 +16,12 @@ namespace {
  * except 16-token tiles whose grid is more than one wave of it with the last
  * wave under a third full: those keep the deep ring (2 per SM). Mixtral at
  * M = 1 (448 CTAs: 1.13 waves of 396, against 1.7 of 264) lost 3-6% per
- * forward on the shallow ring; qwen3moe at M = 8 (684 CTAs, 1.73 waves) gained
- * 3-6% (H200, 5c39a5a against 0d4cd5f). */
+ * forward on the shallow ring; qwen3moe at M = 8 (~684 CTAs in use, 1.73
+ * waves) gained 3-6% (H200, 5c39a5a against 0d4cd5f). The grid counts the
+ * tiles likely in use, not the worst case (qwen3moe M = 8: 68 m tiles, 816
+ * CTAs, read as a sparse last wave at 108e79a): with g.pairs pairs routed
+ * uniformly, E (1 - (1 - 1/E)^pairs) experts hold one, plus a tile per
+ * kBlockT pairs. */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
                                    int64_t m_tiles, cudaStream_t stream)
@@ -26,7 +32,13 @@ mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &
         const mx_status st = sm90_decode_opt_in<TA, T, Shallow, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
         if (st.code != MX_OK)
             return st;
-        const int64_t ctas = m_tiles * (KIND == MX_GEMM_UP ? mx_ceil_div(g.n_rows, 128) : mx_ceil_div(g.out_cols, 64));
+        const double e = static_cast<double>(local_experts > 0 ? local_experts : 1);
+        const double likely = g.pairs > 0 ? e * (1.0 - pow(1.0 - 1.0 / e, static_cast<double>(g.pairs))) +
+                                                static_cast<double>(g.pairs / Shape::kBlockT)
+                                          : static_cast<double>(m_tiles);
+        const double tiles = likely < static_cast<double>(m_tiles) ? likely : static_cast<double>(m_tiles);
+        const int64_t n_tiles = KIND == MX_GEMM_UP ? mx_ceil_div(g.n_rows, 128) : mx_ceil_div(g.out_cols, 64);
+        const int64_t ctas = static_cast<int64_t>(tiles * static_cast<double>(n_tiles) + 0.5);
         if (ctas > slots && 3 * (ctas % slots) < slots)
             return launch_sm90_decode<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
     }
