@@ -295,6 +295,17 @@ template <> __device__ __forceinline__ uint32_t mx_pack2<__half>(float lo, float
     return *reinterpret_cast<uint32_t *>(&v);
 }
 
+/* The two values of a packed pair (mx_pack2's layout), as float32. */
+template <typename T> __device__ __forceinline__ float2 mx_unpack2(uint32_t packed);
+template <> __device__ __forceinline__ float2 mx_unpack2<__nv_bfloat16>(uint32_t packed)
+{
+    return make_float2(__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 mx_unpack2<__half>(uint32_t packed)
+{
+    return __half22float2(*reinterpret_cast<const __half2 *>(&packed));
+}
+
 /* Element i of a float32/float16/bfloat16 array whose dtype is known only at
  * run time (routing logits, correction bias). */
 __device__ __forceinline__ float mx_load_float(const void *p, mx_dtype dt, int64_t i)
@@ -323,7 +334,20 @@ __device__ __forceinline__ int mx_local_expert(const int32_t *topk_ids, const in
 
 /* ---- activations (numerics.md "Experts"; float32 in and out) -------------- */
 
-__device__ __forceinline__ float mx_silu(float x) { return x / (1.0f + expf(-x)); }
+/* 1 / (1 + e^-x) from the special-function unit: ex2.approx and rcp.approx
+ * (relative errors ~2^-22, far under the act dtype's rounding), two MUFU
+ * operations and two FMULs where expf and an IEEE division cost ~40
+ * instructions: GEMM1's epilogue was up to a fifth of its time with those
+ * (H100, 2026-11-25). sigmoid(+inf) = 1, sigmoid(-inf) = 0, NaN stays NaN. */
+__device__ __forceinline__ float mx_sigmoid(float x)
+{
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+    return r;
+}
+
+__device__ __forceinline__ float mx_silu(float x) { return x * mx_sigmoid(x); }
 
 __device__ __forceinline__ float mx_gelu_erf(float x)
 {
@@ -336,7 +360,7 @@ __device__ __forceinline__ float mx_act_gated(int act, float gate, float up, flo
     if (act == MX_ACT_SWIGLUOAI) {
         float g = fminf(gate, limit);
         float u = fminf(fmaxf(up, -limit), limit);
-        return (u + 1.0f) * g * (1.0f / (1.0f + expf(-alpha * g)));
+        return (u + 1.0f) * g * mx_sigmoid(alpha * g);
     }
     return (act == MX_ACT_GELU ? mx_gelu_erf(gate) : mx_silu(gate)) * up;
 }
