@@ -122,6 +122,27 @@ __device__ __forceinline__ sm90_rows sm90_load_rows(int64_t s_lo, const mx_gemm_
     return r;
 }
 
+/* The bias pairs (bias[c], bias[c + 1]) of a thread's N epilogue columns c = first + i * step
+ * (c even), packed as mx_pack2 packs; zero past `limit` or without a bias. All are loaded before
+ * the epilogue's first store: the compiler cannot tell the bias from the output, so a load
+ * inside the store loop would wait for every store before it (gpt-oss GEMM1 spent ~30% of its
+ * time in its epilogue that way; H100, 2026-11-25). One 4-byte load per pair, or two 2-byte
+ * loads where the bias view starts at an odd element. */
+template <typename T, int N>
+__device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t first, int step, int64_t limit,
+                                                     uint32_t (&pairs)[N])
+{
+    const bool words = (reinterpret_cast<uintptr_t>(bias) & 3u) == 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int64_t c = first + static_cast<int64_t>(i) * step;
+        const uint16_t *half = reinterpret_cast<const uint16_t *>(bias + c);
+        pairs[i] = !bias || c >= limit ? 0u
+                   : words             ? *reinterpret_cast<const uint32_t *>(half)
+                                       : half[0] | static_cast<uint32_t>(half[1]) << 16;
+    }
+}
+
 /* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
  * (sc: the per-tensor FP8 scales, else 1). */
 template <typename T, typename Shape>
@@ -132,18 +153,24 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
     const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
     float *y_lo = static_cast<float *>(g.out) + static_cast<int64_t>(rows.pair_lo) * g.ldo;
     float *y_hi = static_cast<float *>(g.out) + static_cast<int64_t>(rows.pair_hi) * g.ldo;
+    const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * q;
+    /* bias pairs by chunks of 8 columns: all BN / 8 at once would spill (128 accumulators live) */
+    constexpr int CHUNK = 8;
+    uint32_t bias_pairs[CHUNK];
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
-        const int64_t col = static_cast<int64_t>(nt) * BN + 8 * i + 2 * q;
+        if (i % CHUNK == 0)
+            sm90_load_bias_pairs(bias, col0 + 8 * i, 8, g.out_cols, bias_pairs);
+        const int64_t col = col0 + 8 * i;
         if (col >= g.out_cols)
             continue;
-        const float b0 = bias ? mx_to_float(bias[col]) : 0.0f, b1 = bias ? mx_to_float(bias[col + 1]) : 0.0f;
+        const float2 b = mx_unpack2<T>(bias_pairs[i % CHUNK]);
         if (rows.pair_lo >= 0)
             *reinterpret_cast<float2 *>(y_lo + col) =
-                make_float2((acc[4 * i] * sc + b0) * rows.w_lo, (acc[4 * i + 1] * sc + b1) * rows.w_lo);
+                make_float2((acc[4 * i] * sc + b.x) * rows.w_lo, (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
         if (rows.pair_hi >= 0)
             *reinterpret_cast<float2 *>(y_hi + col) =
-                make_float2((acc[4 * i + 2] * sc + b0) * rows.w_hi, (acc[4 * i + 3] * sc + b1) * rows.w_hi);
+                make_float2((acc[4 * i + 2] * sc + b.x) * rows.w_hi, (acc[4 * i + 3] * sc + b.y) * rows.w_hi);
     }
 }
 
@@ -169,38 +196,39 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     };
     if (KIND == MX_GEMM_GATE_UP) {
         constexpr int UP = BN / 16; /* the up rows start at fragment group BN / 16 */
+        const int64_t col0 = static_cast<int64_t>(nt) * (BN / 2) + 2 * q;
+        uint32_t gate_bias[BN / 16], up_bias[BN / 16];
+        sm90_load_bias_pairs(bias, col0, 8, oc, gate_bias);
+        sm90_load_bias_pairs(bias ? bias + oc : nullptr, col0, 8, oc, up_bias);
 #pragma unroll
         for (int i = 0; i < BN / 16; ++i) {
-            const int64_t col = static_cast<int64_t>(nt) * (BN / 2) + 8 * i + 2 * q;
+            const int64_t col = col0 + 8 * i;
             if (col >= oc)
                 continue;
-            float bg0 = 0.0f, bg1 = 0.0f, bu0 = 0.0f, bu1 = 0.0f;
-            if (bias) {
-                bg0 = mx_to_float(bias[col]), bg1 = mx_to_float(bias[col + 1]);
-                bu0 = mx_to_float(bias[oc + col]), bu1 = mx_to_float(bias[oc + col + 1]);
-            }
+            const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
             const int u = 4 * (i + UP);
             if (lo)
                 store(act_lo + col,
-                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg0, acc[u] * sc + bu0, alpha, limit),
-                                  mx_act_gated(ACT, acc[4 * i + 1] * sc + bg1, acc[u + 1] * sc + bu1, alpha, limit)));
+                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
+                                  mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit)));
             if (hi)
                 store(act_hi + col,
-                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg0, acc[u + 2] * sc + bu0, alpha, limit),
-                                  mx_act_gated(ACT, acc[4 * i + 3] * sc + bg1, acc[u + 3] * sc + bu1, alpha, limit)));
+                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
+                                  mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit)));
         }
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
         /* the thread's output column o = 4i + q; lanes q and q^1 swap so that
          * the even lane stores row lo and the odd lane row hi, two columns each */
         const bool even = (q & 1) == 0;
+        const int64_t o0 = static_cast<int64_t>(nt) * (BN / 2) + q;
+        uint32_t gate_up_bias[BN / 8]; /* (gate, up) of output column o at bias[2o], bias[2o + 1] */
+        sm90_load_bias_pairs(bias, 2 * o0, 8, 2 * oc, gate_up_bias);
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i) {
-            const int64_t o = static_cast<int64_t>(nt) * (BN / 2) + 4 * i + q;
-            float bg = 0.0f, bu = 0.0f;
-            if (bias && o < oc)
-                bg = mx_to_float(bias[2 * o]), bu = mx_to_float(bias[2 * o + 1]);
-            const float v_lo = mx_act_gated(ACT, acc[4 * i] * sc + bg, acc[4 * i + 1] * sc + bu, alpha, limit);
-            const float v_hi = mx_act_gated(ACT, acc[4 * i + 2] * sc + bg, acc[4 * i + 3] * sc + bu, alpha, limit);
+            const int64_t o = o0 + 4 * i;
+            const float2 b = mx_unpack2<T>(gate_up_bias[i]);
+            const float v_lo = mx_act_gated(ACT, acc[4 * i] * sc + b.x, acc[4 * i + 1] * sc + b.y, alpha, limit);
+            const float v_hi = mx_act_gated(ACT, acc[4 * i + 2] * sc + b.x, acc[4 * i + 3] * sc + b.y, alpha, limit);
             const float other = __shfl_xor_sync(0xffffffffu, even ? v_hi : v_lo, 1);
             const int64_t col = even ? o : o - 1;
             if (col >= oc || !(even ? lo : hi))
@@ -208,18 +236,21 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
             store((even ? act_lo : act_hi) + col, even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi));
         }
     } else {
+        const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * q;
+        uint32_t bias_pairs[BN / 8];
+        sm90_load_bias_pairs(bias, col0, 8, oc, bias_pairs);
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i) {
-            const int64_t col = static_cast<int64_t>(nt) * BN + 8 * i + 2 * q;
+            const int64_t col = col0 + 8 * i;
             if (col >= oc)
                 continue;
-            const float b0 = bias ? mx_to_float(bias[col]) : 0.0f, b1 = bias ? mx_to_float(bias[col + 1]) : 0.0f;
+            const float2 b = mx_unpack2<T>(bias_pairs[i]);
             if (lo)
-                store(act_lo + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b0),
-                                                mx_act_plain(ACT, acc[4 * i + 1] * sc + b1)));
+                store(act_lo + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b.x),
+                                                mx_act_plain(ACT, acc[4 * i + 1] * sc + b.y)));
             if (hi)
-                store(act_hi + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b0),
-                                                mx_act_plain(ACT, acc[4 * i + 3] * sc + b1)));
+                store(act_hi + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b.x),
+                                                mx_act_plain(ACT, acc[4 * i + 3] * sc + b.y)));
         }
     }
 }
