@@ -125,8 +125,8 @@ __device__ __forceinline__ sm90_rows sm90_load_rows(int64_t s_lo, const mx_gemm_
 /* The bias pairs (bias[c], bias[c + 1]) of a thread's N epilogue columns c = first + i * step
  * (c even), packed as mx_pack2 packs; zero past `limit` or without a bias. All are loaded before
  * the epilogue's first store: the compiler cannot tell the bias from the output, so a load
- * inside the store loop would wait for every store before it (gpt-oss GEMM1 spent ~30% of its
- * time in its epilogue that way; H100, 2026-11-25). One 4-byte load per pair, or two 2-byte
+ * inside the store loop would wait for every store before it (gpt-oss GEMM1 at M = 16384: 4510
+ * -> 4134 us with the loads first; H100, 2026-11-25). One 4-byte load per pair, or two 2-byte
  * loads where the bias view starts at an odd element. */
 template <typename T, int N>
 __device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t first, int step, int64_t limit,
@@ -174,13 +174,33 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
     }
 }
 
-/* GEMM1: act[s, col] = ACT(acc * sc + w13_bias) in act dtype; with kAmax
- * also the running amax of the stored values. ACT is a compile-time
+/* Interleaved (swigluoai) GEMM1 tiles leave through shared memory: each
+ * math warpgroup puts its 64 x BN/2 act values into its own BN/128 boxes of
+ * 64 rows x 128 bytes (128B-swizzled, as the store map reads them) and one
+ * thread TMA-stores them, so the warpgroup goes on to the next tile while
+ * the copy engine writes. Padding rows go out too (whatever the boxes
+ * held): nothing reads them. Measured on H100 (2026-11-25, two rounds,
+ * logs/2026-11-25-nvidia-h100-ab-tma-store.txt): gpt-oss GEMM1 at M = 16384
+ * 4370 -> 3965 us (its direct stores pair lanes across rows lo / hi); the
+ * plain gated kind was 1-3% slower staged (Mixtral bf16 11170 -> 11465,
+ * qwen3moe 1282 -> 1300), so it stores directly. */
+template <int KIND> constexpr bool sm90_staged_out() { return KIND == MX_GEMM_GATE_UP_INTERLEAVED; }
+
+/* The staging boxes of the thread's warpgroup and the thread's first row in them. */
+struct sm90_out_stage {
+    uint32_t base; /* shared address of box 0 */
+    int row;       /* rows row and row + 8 of the warpgroup's 64 */
+};
+
+/* GEMM1: act[s, col] = ACT(acc * sc + w13_bias) in act dtype (the
+ * interleaved kind: into the staging boxes); with kAmax also
+ * the running amax of the stored values. ACT is a compile-time
  * mx_activation, so each instantiation is one straight run of code with no
  * per-element branch on the activation. */
 template <typename T, typename Shape, int KIND, int ACT, bool kAmax>
 __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                               int nt, int expert, const mx_gemm_args &g, float sc, float &amax)
+                                               int nt, int expert, const mx_gemm_args &g, float sc, float &amax,
+                                               const sm90_out_stage &stage)
 {
     constexpr int BN = Shape::kBlockN;
     const int64_t oc = g.out_cols;
@@ -189,8 +209,18 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     T *act_lo = static_cast<T *>(g.out) + rows.s_lo * g.ldo;
     T *act_hi = act_lo + 8 * g.ldo;
     const bool lo = rows.pair_lo >= 0, hi = rows.pair_hi >= 0;
-    auto store = [&](T *dst, uint32_t packed) {
-        *reinterpret_cast<uint32_t *>(dst) = packed;
+    const int64_t tile_col = static_cast<int64_t>(nt) * (BN / 2);
+    /* the pair (col, col + 1) of the thread's row lo (second: row hi) */
+    auto store = [&](bool second, int64_t col, uint32_t packed) {
+        if constexpr (sm90_staged_out<KIND>()) {
+            const int r = stage.row + (second ? 8 : 0), c = static_cast<int>(col - tile_col);
+            const uint32_t byte = 2u * static_cast<uint32_t>(c % 64);
+            st_shared_u32(stage.base + (c / 64) * Shape::kOutBoxBytes + r * 128 + ((((byte >> 4) ^ r) & 7u) << 4) +
+                              (byte & 15u),
+                          packed);
+        } else {
+            *reinterpret_cast<uint32_t *>((second ? act_hi : act_lo) + col) = packed;
+        }
         if (kAmax)
             amax = sm90_amax2<T>(amax, packed);
     };
@@ -208,11 +238,11 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
             const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
             const int u = 4 * (i + UP);
             if (lo)
-                store(act_lo + col,
+                store(false, col,
                       mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
                                   mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit)));
             if (hi)
-                store(act_hi + col,
+                store(true, col,
                       mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
                                   mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit)));
         }
@@ -233,7 +263,7 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
             const int64_t col = even ? o : o - 1;
             if (col >= oc || !(even ? lo : hi))
                 continue;
-            store((even ? act_lo : act_hi) + col, even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi));
+            store(!even, col, even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi));
         }
     } else {
         const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * q;
@@ -246,10 +276,10 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
                 continue;
             const float2 b = mx_unpack2<T>(bias_pairs[i]);
             if (lo)
-                store(act_lo + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b.x),
-                                                mx_act_plain(ACT, acc[4 * i + 1] * sc + b.y)));
+                store(false, col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b.x),
+                                              mx_act_plain(ACT, acc[4 * i + 1] * sc + b.y)));
             if (hi)
-                store(act_hi + col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b.x),
+                store(true, col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b.x),
                                                 mx_act_plain(ACT, acc[4 * i + 3] * sc + b.y)));
         }
     }
@@ -261,20 +291,21 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
  * with per-tensor FP8 scales ends with one atomic amax per warp. */
 template <typename T, typename Shape, int KIND, int QUANT>
 __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                              int nt, int expert, const mx_gemm_args &g, float sc, uint32_t *amax_bits)
+                                              int nt, int expert, const mx_gemm_args &g, float sc, uint32_t *amax_bits,
+                                              const sm90_out_stage &stage)
 {
     constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
     float amax = 0.0f;
     if (KIND == MX_GEMM_DOWN) {
         sm90_store_down<T, Shape>(acc, rows, q, nt, expert, g, sc);
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
+        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
     } else if (g.activation == MX_ACT_GELU) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_GELU, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
+        sm90_store_act<T, Shape, KIND, MX_ACT_GELU, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
     } else if (KIND == MX_GEMM_UP && g.activation == MX_ACT_RELU2) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
+        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
     } else {
-        sm90_store_act<T, Shape, KIND, MX_ACT_SILU, kAmax>(acc, rows, q, nt, expert, g, sc, amax);
+        sm90_store_act<T, Shape, KIND, MX_ACT_SILU, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
     }
     if (kAmax) {
         amax = mx_warp_max(amax);
@@ -297,6 +328,7 @@ template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
                              const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
+                             const __grid_constant__ CUtensorMap tma_out, /* gated GEMM1: act [rows, out_cols], box 128 bytes x 64 */
                              const mx_gemm_args g,                      /* sizes, tile table, epilogue operands */
                              const mx_sm90_scales sc,                      /* FP8 scales */
                              int n_tiles)                               /* n tiles per m tile */
@@ -314,7 +346,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); kSmemBytes holds the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
-    const uint32_t bars = base + STAGES * STAGE_BYTES; /* full[STAGES], then empty[STAGES] */
+    const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* act staging of gated GEMM1 */
+    const uint32_t bars = out_boxes + Shape::kOutBytes;         /* full[STAGES], then empty[STAGES] */
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
 
@@ -508,14 +541,36 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 fence_acc(acc);
                 release(prev);
             }
-            if (real)
-                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, tile_scale, sc.amax);
+            if (real) {
+                constexpr int kBoxes = BN / 128; /* staging boxes per warpgroup */
+                const sm90_out_stage stage = {out_boxes + wg * kBoxes * Shape::kOutBoxBytes, r_lo - wg * 64};
+                if constexpr (sm90_staged_out<KIND>()) {
+                    /* the boxes are free once the last tile's store has read them */
+                    if (threadIdx.x % 128 == 0)
+                        bulk_wait_read<0>();
+                    named_barrier_sync(1 + wg, 128);
+                }
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, tile_scale, sc.amax, stage);
+                if constexpr (sm90_staged_out<KIND>()) {
+                    fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
+                    named_barrier_sync(1 + wg, 128);
+                    if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                        for (int b = 0; b < kBoxes; ++b)
+                            tma_store_2d(&tma_out, stage.base + b * Shape::kOutBoxBytes, nt * (BN / 2) + 64 * b,
+                                         mt * BM + 64 * wg);
+                        bulk_commit();
+                    }
+                }
+            }
             if (QUANT != MX_QUANT_NONE) {
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
                     acc[i] = 0.0f;
             }
         }
+        if (sm90_staged_out<KIND>() && threadIdx.x % 128 == 0)
+            bulk_wait_all<0>(); /* the boxes live in this CTA's shared memory */
     }
     if (CM > 1)
         cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
@@ -592,9 +647,13 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
     if (st.code != MX_OK)
         return st;
-    CUtensorMap map_a, map_w;
+    CUtensorMap map_a, map_w, map_out;
     if (!sm90_rows_map<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st) ||
         !sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, &map_w, &st))
+        return st;
+    if (!sm90_staged_out<KIND>())
+        map_out = map_a; /* not read */
+    else if (!sm90_rows_map<T>(g.out, g.ldo, m_tiles * Shape::kBlockM, 64, g.out_cols, &map_out, &st))
         return st;
     int device = 0;
     st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
@@ -606,8 +665,8 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(Shape::kSmemBytes));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {
-        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, g, sc,
-                                                                                          static_cast<int>(n_tiles));
+        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, map_out, g,
+                                                                                          sc, static_cast<int>(n_tiles));
         return mx_check_launch(name);
     }
     cudaLaunchConfig_t cfg;
@@ -623,7 +682,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     attr.val.clusterDim.z = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    st = mx_check_call(cudaLaunchKernelEx(&cfg, kernel, map_a, map_w, g, sc, static_cast<int>(n_tiles)), name);
+    st = mx_check_call(cudaLaunchKernelEx(&cfg, kernel, map_a, map_w, map_out, g, sc, static_cast<int>(n_tiles)), name);
     if (st.code != MX_OK)
         return st;
     return mx_check_launch(name);
