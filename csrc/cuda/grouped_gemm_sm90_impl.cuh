@@ -186,6 +186,13 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
  * qwen3moe 1282 -> 1300), so it stores directly. */
 template <int KIND> constexpr bool sm90_staged_out() { return KIND == MX_GEMM_GATE_UP_INTERLEAVED; }
 
+/* Dynamic shared memory of one KIND's kernel: the staging boxes only where
+ * they are used (more shared memory leaves less L1). */
+template <typename Shape, int KIND> constexpr size_t sm90_smem_bytes()
+{
+    return Shape::kSmemBytes - (sm90_staged_out<KIND>() ? 0 : Shape::kOutBytes);
+}
+
 /* The staging boxes of the thread's warpgroup and the thread's first row in them. */
 struct sm90_out_stage {
     uint32_t base; /* shared address of box 0 */
@@ -347,7 +354,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     /* stage slots need 1024-byte alignment (the swizzle atom); kSmemBytes holds the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
     const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* act staging of gated GEMM1 */
-    const uint32_t bars = out_boxes + Shape::kOutBytes;         /* full[STAGES], then empty[STAGES] */
+    const uint32_t bars = out_boxes + (sm90_staged_out<KIND>() ? Shape::kOutBytes : 0); /* full[STAGES], empty[STAGES] */
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
 
@@ -583,8 +590,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
 /* Clusters of cluster_m CTAs of `kernel` that fit on the device at once
  * (one CTA per SM): the persistent grid. Cached per tile shape and device
- * (the shape fixes threads, shared memory and cluster size; every kernel of
- * one shape takes the same registers). Falls back to SMs / cluster_m when
+ * (the shape fixes threads and cluster size, every kernel of one shape takes
+ * the same registers, and its kinds' shared memory, with or without the
+ * staging boxes, leaves one CTA per SM). Falls back to SMs / cluster_m when
  * the occupancy query fails. */
 template <typename Shape, typename Kernel>
 int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads, int smem_bytes)
@@ -644,7 +652,8 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
         return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
 
     static std::atomic<unsigned long long> configured{0};
-    mx_status st = mx_opt_in_smem(kernel, Shape::kSmemBytes, configured, name);
+    constexpr size_t kSmem = sm90_smem_bytes<Shape, KIND>();
+    mx_status st = mx_opt_in_smem(kernel, kSmem, configured, name);
     if (st.code != MX_OK)
         return st;
     CUtensorMap map_a, map_w, map_out;
@@ -662,10 +671,10 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
 
     constexpr int CM = Shape::kClusterM;
     const int64_t worst = mx_ceil_div(m_tiles, CM) * n_tiles; /* work units */
-    const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(Shape::kSmemBytes));
+    const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(kSmem));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {
-        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, Shape::kSmemBytes, stream>>>(map_a, map_w, map_out, g,
+        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, kSmem, stream>>>(map_a, map_w, map_out, g,
                                                                                           sc, static_cast<int>(n_tiles));
         return mx_check_launch(name);
     }
@@ -673,7 +682,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     memset(&cfg, 0, sizeof cfg);
     cfg.gridDim = dim3(static_cast<unsigned>(grid));
     cfg.blockDim = dim3(Shape::kThreads);
-    cfg.dynamicSmemBytes = Shape::kSmemBytes;
+    cfg.dynamicSmemBytes = kSmem;
     cfg.stream = stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
