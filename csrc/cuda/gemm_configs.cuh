@@ -78,7 +78,7 @@ struct mx_sm90_shape {
      * slots, the act staging, then full and empty barriers (8 bytes each) */
     static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + kOutBytes + 2 * 8 * STAGES;
 
-    static_assert(BN % 128 == 0 && BN <= 256, "wgmma n up to 256; gated tiles write whole 64-column boxes");
+    static_assert(BN % 128 == 0 && BN <= 256, "wgmma n up to 256; interleaved GEMM1 tiles stage whole 64-column boxes");
     static_assert(kStageBytes % 1024 == 0 && kWBytes % 2048 == 0, "slots and weight boxes start on 1024-byte atoms");
     static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit");
     static_assert(kMathRegs * 128 * kMathWarpgroups + kProducerRegs * 128 <= 65536, "register file of one SM");

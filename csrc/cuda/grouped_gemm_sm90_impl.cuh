@@ -335,7 +335,7 @@ template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
                              const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
-                             const __grid_constant__ CUtensorMap tma_out, /* gated GEMM1: act [rows, out_cols], box 128 bytes x 64 */
+                             const __grid_constant__ CUtensorMap tma_out, /* interleaved GEMM1: act [rows, out_cols], box 128 bytes x 64 */
                              const mx_gemm_args g,                      /* sizes, tile table, epilogue operands */
                              const mx_sm90_scales sc,                      /* FP8 scales */
                              int n_tiles)                               /* n tiles per m tile */
@@ -674,8 +674,8 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(kSmem));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {
-        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, kSmem, stream>>>(map_a, map_w, map_out, g,
-                                                                                          sc, static_cast<int>(n_tiles));
+        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, kSmem, stream>>>(map_a, map_w, map_out, g, sc,
+                                                                                static_cast<int>(n_tiles));
         return mx_check_launch(name);
     }
     cudaLaunchConfig_t cfg;

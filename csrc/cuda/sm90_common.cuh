@@ -97,7 +97,6 @@ __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtens
                  : "memory");
 }
 
-/* Arrive on the barrier at the same offset in CTA `rank` of the cluster. */
 /* TMA store of a box of shared memory (at src, laid out as the map's swizzle) to
  * the map's coordinates (c0 innermost); the box is clipped at the tensor's
  * bounds. One bulk group per commit; wait_read<N> returns once at most N of
@@ -131,6 +130,7 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v)
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
+/* Arrive on the barrier at the same offset in CTA `rank` of the cluster. */
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
 {
     asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
