@@ -70,17 +70,18 @@ struct mx_sm90_shape {
     static constexpr uint32_t kABytes = kBlockM * kBlockKBytes;
     static constexpr uint32_t kWBytes = BN * kBlockKBytes;
     static constexpr uint32_t kStageBytes = kABytes + kWBytes;
-    /* interleaved GEMM1's act tile on its way out (TMA store): per math
-     * warpgroup 64 rows x BN/2 16-bit columns, as BN/128 boxes of 64 x 64 (8 KB) */
+    /* 1024 bytes of slack to align the slots to the swizzle atom, then the
+     * slots, then full and empty barriers (8 bytes each) */
+    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 2 * 8 * STAGES;
+    /* interleaved GEMM1's act tile on its way out (TMA store), between the
+     * slots and the barriers of that kind's kernel: per math warpgroup 64
+     * rows x BN/2 16-bit columns, as BN/128 boxes of 64 x 64 (8 KB) */
     static constexpr uint32_t kOutBoxBytes = 64 * 128;
     static constexpr uint32_t kOutBytes = kMathWarpgroups * (BN / 128) * kOutBoxBytes;
-    /* 1024 bytes of slack to align the slots to the swizzle atom, then the
-     * slots, the act staging, then full and empty barriers (8 bytes each) */
-    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + kOutBytes + 2 * 8 * STAGES;
 
     static_assert(BN % 128 == 0 && BN <= 256, "wgmma n up to 256; interleaved GEMM1 tiles stage whole 64-column boxes");
     static_assert(kStageBytes % 1024 == 0 && kWBytes % 2048 == 0, "slots and weight boxes start on 1024-byte atoms");
-    static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit");
+    static_assert(kSmemBytes + kOutBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit, staging included");
     static_assert(kMathRegs * 128 * kMathWarpgroups + kProducerRegs * 128 <= 65536, "register file of one SM");
     static_assert(kMathRegs % 8 == 0 && kProducerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
     static_assert(CLUSTER_M == 1 || CLUSTER_M == 2, "pairs of CTAs at most (the multicast mask covers the pair)");

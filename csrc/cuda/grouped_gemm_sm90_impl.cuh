@@ -190,7 +190,7 @@ template <int KIND> constexpr bool sm90_staged_out() { return KIND == MX_GEMM_GA
  * they are used (more shared memory leaves less L1). */
 template <typename Shape, int KIND> constexpr size_t sm90_smem_bytes()
 {
-    return Shape::kSmemBytes - (sm90_staged_out<KIND>() ? 0 : Shape::kOutBytes);
+    return Shape::kSmemBytes + (sm90_staged_out<KIND>() ? Shape::kOutBytes : 0);
 }
 
 /* The staging boxes of the thread's warpgroup and the thread's first row in them. */
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
-    /* stage slots need 1024-byte alignment (the swizzle atom); kSmemBytes holds the slack */
+    /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
     const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* act staging of gated GEMM1 */
     const uint32_t bars = out_boxes + (sm90_staged_out<KIND>() ? Shape::kOutBytes : 0); /* full[STAGES], empty[STAGES] */
