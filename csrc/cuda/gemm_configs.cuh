@@ -101,10 +101,13 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * slower with a few m tiles per expert (pairs straddle experts, and the
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
-/* FP8 with 128x128 block scales: every k block's products land in a second
- * accumulator set that is promoted with the block's scales, so the tile
- * holds 2 x BN/2 accumulators per thread; BN = 128 keeps both under the 232
- * registers. 6 stages of 32 KB (193 KB, 1 CTA/SM). */
+/* FP8 with 128x128 block scales: every k block's products land in one of
+ * two more accumulator sets (alternating) that is promoted with the block's
+ * scales, so the tile holds 3 x BN/2 accumulators per thread; BN = 128 keeps
+ * them under the 232 registers. 6 stages of 32 KB (193 KB, 1 CTA/SM). In
+ * 2-CTA clusters with the weight boxes multicast (24 instead of 32 KB per k
+ * block from L2 per CTA) it was not faster: -4..+12% per GEMM (H100,
+ * 2026-11-25), so L2 does not bound this tile. */
 typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
 /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per

@@ -329,8 +329,11 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
  * `part` and promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
  * the scales of the thread's two rows and of the tile's two weight boxes
  * (each box lies in one 128-row scale block: the launcher checks). That
- * promotion needs the k block's wgmmas retired, so this mode waits for them
- * every k block; the two math warpgroups still overlap each other. */
+ * promotion needs the k block's wgmmas retired; the products alternate
+ * between two sets (`part`, `part_next`), so k block kb + 1's wgmmas are in
+ * flight while k block kb is promoted (one set, waiting for each k block's
+ * wgmmas before the next were issued, was 5-11% slower per GEMM: H100,
+ * 2026-11-25, logs/2026-11-25-nvidia-h100-ab-block-promotion.txt). */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
@@ -436,7 +439,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
         };
         float acc[BN / 2];
-        float part[kBlockScales ? BN / 2 : 1]; /* block scales: the current k block's products */
+        /* block scales: the products of k blocks kb (one set) and kb + 1 (the other) */
+        float part[kBlockScales ? BN / 2 : 1], part_next[kBlockScales ? BN / 2 : 1];
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
             acc[i] = 0.0f;
@@ -470,32 +474,56 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 }
             }
             if constexpr (kBlockScales) {
-                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
-                    mbar_wait(full_bar(s), phase);
+                /* two sets of products: k block kb + 1's wgmmas are issued before
+                 * k block kb is waited for and promoted */
+                auto issue = [&](int kb, float(&p)[BN / 2]) {
+                    const uint32_t n = it + kb, s = n % STAGES;
+                    mbar_wait(full_bar(s), (n / STAGES) & 1u);
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
-                    fence_acc(part);
+                    fence_acc(p);
                     wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < KSTEPS; ++kk)
-                        sm90_wgmma<TA, BN>::run(part, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32), kk != 0);
+                        sm90_wgmma<TA, BN>::run(p, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32), kk != 0);
                     wgmma_commit();
-                    /* the scale loads overlap the wgmmas */
+                };
+                /* pending: whether the next k block's wgmma group stays in flight
+                 * (a constant at every call, so no branch remains) */
+                auto promote = [&](int kb, float(&p)[BN / 2], bool pending) {
                     const float a_lo = sa_lo ? sa_lo[kb] : 0.0f, a_hi = sa_hi ? sa_hi[kb] : 0.0f;
                     const float w0 = sw0 ? sw0[kb] : 0.0f, w1 = sw1 ? sw1[kb] : 0.0f;
-                    wgmma_wait<0>();
-                    fence_acc(part);
-                    release(s);
+                    if (pending)
+                        wgmma_wait<1>();
+                    else
+                        wgmma_wait<0>();
+                    fence_acc(p);
+                    release((it + kb) % STAGES);
                     const float lo0 = a_lo * w0, lo1 = a_lo * w1, hi0 = a_hi * w0, hi1 = a_hi * w1;
 #pragma unroll
                     for (int i = 0; i < BN / 8; ++i) {
                         const bool box1 = i >= BN / 16;
-                        acc[4 * i] = fmaf(part[4 * i], box1 ? lo1 : lo0, acc[4 * i]);
-                        acc[4 * i + 1] = fmaf(part[4 * i + 1], box1 ? lo1 : lo0, acc[4 * i + 1]);
-                        acc[4 * i + 2] = fmaf(part[4 * i + 2], box1 ? hi1 : hi0, acc[4 * i + 2]);
-                        acc[4 * i + 3] = fmaf(part[4 * i + 3], box1 ? hi1 : hi0, acc[4 * i + 3]);
+                        acc[4 * i] = fmaf(p[4 * i], box1 ? lo1 : lo0, acc[4 * i]);
+                        acc[4 * i + 1] = fmaf(p[4 * i + 1], box1 ? lo1 : lo0, acc[4 * i + 1]);
+                        acc[4 * i + 2] = fmaf(p[4 * i + 2], box1 ? hi1 : hi0, acc[4 * i + 2]);
+                        acc[4 * i + 3] = fmaf(p[4 * i + 3], box1 ? hi1 : hi0, acc[4 * i + 3]);
                     }
+                };
+                issue(0, part);
+                int kb = 0;
+                for (; kb + 2 < k_blocks; kb += 2) {
+                    issue(kb + 1, part_next);
+                    promote(kb, part, true);
+                    issue(kb + 2, part);
+                    promote(kb + 1, part_next, true);
                 }
+                if (kb + 1 < k_blocks) {
+                    issue(kb + 1, part_next);
+                    promote(kb, part, true);
+                    promote(kb + 1, part_next, false);
+                } else {
+                    promote(kb, part, false);
+                }
+                it += k_blocks;
             } else if constexpr (QUANT == MX_QUANT_FP8_TENSOR) {
                 /* the tensor cores' FP8 accumulation keeps too few bits over a long
                  * K: every k block (4 k steps) of each weight box goes into part
