@@ -141,6 +141,51 @@ def test_per_token_group_quant_fp8_zero_group(device, gen):
     assert_bits_equal(q, q_ref)
 
 
+def wild(gen, rows, cols, dtype):
+    """Values over dtype's whole exponent range, subnormals and both zeros included; each row
+    spans 40 binades under its own top, so its groups' quotients x / s run from 448 down to
+    well under FP8's smallest subnormal."""
+    lo, hi = (-24, 14) if dtype == torch.float16 else (-149, 126)
+    top = torch.randint(lo + 20, hi + 1, (rows, 1), generator=gen)
+    exps = (top - torch.randint(0, 40, (rows, cols), generator=gen)).clamp(min=lo)
+    sign = torch.randint(0, 2, (rows, cols), generator=gen).to(torch.float32) * 2 - 1
+    t = torch.ldexp(sign * (1 + torch.rand(rows, cols, generator=gen)), exps.to(torch.float32))
+    zero = torch.rand(rows, cols, generator=gen) < 0.02
+    return torch.where(zero, sign * 0.0, t).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group_size", [128, 64])
+def test_per_token_group_quant_fp8_wild_values(group_size, dtype, device, gen):
+    """The group quantizer's division keeps __fdiv_rn's bits (the CUDA one skips its range
+    checks, csrc/cuda/fp8.cuh mx_fp8_div) over every magnitude, -0 included; a row with an
+    infinity takes an infinite scale (NaN for the infinity itself, signed zeros elsewhere)."""
+    x = wild(gen, 300, 1000, dtype)
+    x[7, 300] = float("inf")
+    x[8, 5] = float("-inf")
+    assert (x.view(-1)[:2000].float().abs() < torch.finfo(torch.float32).tiny).any(), "no subnormals"
+    q, s = moe_ext.per_token_group_quant_fp8(x.to(device), group_size)
+    q_ref, s_ref = ref.fp8_quant_group(x, group_size)
+    assert_scales_equal(s, s_ref)
+    nan = q_ref.float().isnan()  # torch writes NaN as 0xff, the engines as 0x7f
+    assert torch.equal(q.cpu().float().isnan(), nan) and nan.sum() == 2
+    assert_bits_equal(q.cpu()[~nan], q_ref[~nan])
+    assert (u8(q) == 0x80).any(), "no -0 byte was exercised"
+    if q.is_cuda:
+        assert_bits_equal(q, moe_ext.per_token_group_quant_fp8(x, group_size)[0], "CUDA vs CPU")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_fp8_quant_wild_values(dtype, device, gen):
+    """Per tensor over every magnitude (a static scale, so most values saturate or flush)."""
+    x = wild(gen, 50, 1000, dtype)
+    for scale in (None, torch.tensor([1e-3])):
+        q, s = moe_ext.scaled_fp8_quant(x.to(device), scale=None if scale is None else scale.to(device))
+        q_ref, s_ref = ref.fp8_quant_tensor(x, scale=scale)
+        assert_scales_equal(s, s_ref)
+        assert_bits_equal(q, q_ref)
+
+
 def test_quantizers_leave_their_input_alone(device, gen):
     x = randn(gen, 40, 200, dtype=torch.bfloat16, device=device)
     before = x.clone()

@@ -9,7 +9,8 @@
  *   per block        sf = max(amax, 1e-4) / 448 (ue8m0: 2^ceil(log2 sf)); q = fp8(x * (1 / sf))
  *   per token group  s = max(amax, 1e-10) / 448; q = fp8(clamp(x / s))
  * fp8() rounds to nearest even and saturates to +-448 (cvt ... satfinite),
- * infinities included; clamp() keeps NaN, which encodes as 0x7f. amax and
+ * infinities included, which is what clamp() first gives; NaN encodes as
+ * 0x7f. The group quantizer's division is __fdiv_rn's (mx_fp8_div). amax and
  * the max() of the formulas propagate NaN, as the CPU engine does
  * (csrc/cpu/fp8.h): a NaN in the data gives a NaN scale (and all-NaN q)
  * rather than a silently finite one; an infinite amax stays infinite. */
@@ -26,22 +27,55 @@ namespace {
 constexpr float kFp8Max = 448.0f;
 constexpr int kFp8Block = MX_FP8_BLOCK; /* 128: K slice of a block scale, activation group */
 
+/* fp8(clamp(v)): the saturating conversion gives what clamping first would
+ * (every value past +-448, infinities included, rounds to +-448; NaN stays
+ * NaN), so no clamp is spelled out. */
 __device__ __forceinline__ uint8_t mx_fp8_encode(float v)
 {
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-/* clamp to [-448, 448]; NaN passes through (fminf/fmaxf would drop it) */
-__device__ __forceinline__ float mx_fp8_clamp(float v)
+/* fp8(clamp(v0)) | fp8(clamp(v1)) << 8, one conversion for both */
+__device__ __forceinline__ uint16_t mx_fp8_encode2(float v0, float v1)
 {
-    return v < -kFp8Max ? -kFp8Max : (v > kFp8Max ? kFp8Max : v);
+    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3));
+}
+
+/* The group quantizer's x / s with the bits of __fdiv_rn, in three
+ * instructions per value: the reciprocal r = mx_fp8_div_recip(s) once per
+ * scale (the refined MUFU reciprocal of __fdiv_rn's fast path), then
+ * q0 = x r and one exact-remainder correction. It is that fast path without
+ * its per-value range check (FCHK), which the group scales make moot: s is
+ * normal (>= 1e-10 / 448, finite: callers take __fdiv_rn otherwise) and
+ * |x| <= 448 s. Quotients under 2^-126 could differ in their last
+ * subnormal bit, and those encode to a signed zero either way; the
+ * remainder is taken as s q0 - x so that x = -0 keeps its sign. */
+__device__ __forceinline__ float mx_fp8_div_recip(float s)
+{
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+    return __fmaf_rn(r, __fmaf_rn(r, -s, 1.0f), r);
+}
+
+__device__ __forceinline__ float mx_fp8_div(float x, float s, float r)
+{
+    const float q0 = __fmul_rn(x, r);
+    return __fmaf_rn(-r, __fmaf_rn(q0, s, -x), q0);
 }
 
 /* max(a, b) that returns NaN when either is NaN (fmaxf would drop it);
- * equal to fmaxf otherwise. */
+ * equal to fmaxf otherwise. On sm_80 and later one max.NaN instruction (a
+ * NaN comes out as the canonical NaN; callers pass amaxes and scales, never
+ * -0, so the two agree on zeros too). */
 __device__ __forceinline__ float mx_max_nan(float a, float b)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
     return a != a ? a : (b != b ? b : (a > b ? a : b));
+#endif
 }
 
 __device__ __forceinline__ float mx_fp8_tensor_scale(float amax)

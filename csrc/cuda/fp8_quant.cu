@@ -79,10 +79,34 @@ template <typename T> __device__ __forceinline__ void load4(const T *x, float (&
         v[i] = mx_to_float(e[i]);
 }
 
-/* four fp8 bytes in one 4-byte store (q 4-byte aligned) */
-__device__ __forceinline__ void store4(uint8_t *q, const uint8_t (&b)[4])
+/* four fp8 bytes (the first in the low byte) in one 4-byte store (q 4-byte aligned) */
+__device__ __forceinline__ void store4(uint8_t *q, uint32_t bytes) { *reinterpret_cast<uint32_t *>(q) = bytes; }
+
+/* fp8(clamp(v * inv)) of four values, packed as store4 takes them */
+__device__ __forceinline__ uint32_t encode4_scaled(const float (&v)[4], float inv)
 {
-    *reinterpret_cast<uint32_t *>(q) = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+    return mx_fp8_encode2(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv)) |
+           static_cast<uint32_t>(mx_fp8_encode2(__fmul_rn(v[2], inv), __fmul_rn(v[3], inv))) << 16;
+}
+
+/* fp8(clamp(x / s)) for a group scale s: mx_fp8_div with r =
+ * mx_fp8_div_recip(s) while s is finite, else __fdiv_rn (an infinite or NaN
+ * amax, which mx_fp8_div's preconditions leave out) */
+__device__ __forceinline__ uint8_t encode_divided(float x, float s, float r)
+{
+    return mx_fp8_encode(isfinite(s) ? mx_fp8_div(x, s, r) : __fdiv_rn(x, s));
+}
+
+/* the same for four values, packed as store4 takes them; one branch on s */
+__device__ __forceinline__ uint32_t encode4_divided(const float (&v)[4], float s)
+{
+    if (isfinite(s)) {
+        const float r = mx_fp8_div_recip(s);
+        return mx_fp8_encode2(mx_fp8_div(v[0], s, r), mx_fp8_div(v[1], s, r)) |
+               static_cast<uint32_t>(mx_fp8_encode2(mx_fp8_div(v[2], s, r), mx_fp8_div(v[3], s, r))) << 16;
+    }
+    return mx_fp8_encode2(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s)) |
+           static_cast<uint32_t>(mx_fp8_encode2(__fdiv_rn(v[2], s), __fdiv_rn(v[3], s))) << 16;
 }
 
 /* ---- mx_cuda_fp8_quant: PER_TENSOR ------------------------------------------ */
@@ -114,7 +138,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         const float inv = __fdiv_rn(1.0f, s);
         for (int64_t i = blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x; i < n;
              i += static_cast<int64_t>(gridDim.x) * kQuantThreads)
-            q[b * n + i] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[b * n + i]), inv)));
+            q[b * n + i] = mx_fp8_encode(__fmul_rn(mx_to_float(x[b * n + i]), inv));
     }
 }
 
@@ -180,8 +204,9 @@ __global__ void __launch_bounds__(kQuantThreads)
         for (int64_t c = c0 + lane; c < c1; c += 32)
             m = mx_amax_step(m, mx_to_float(xr[c]));
         const float s = mx_fp8_group_scale(mx_warp_max(m));
+        const float r = mx_fp8_div_recip(s);
         for (int64_t c = c0 + lane; c < c1; c += 32)
-            qr[c] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(mx_to_float(xr[c]), s)));
+            qr[c] = encode_divided(mx_to_float(xr[c]), s, r);
         if (gi == groups - 1)
             for (int64_t c = cols + lane; c < ldq; c += 32)
                 qr[c] = 0;
@@ -235,13 +260,8 @@ __global__ void __launch_bounds__(kQuantThreads)
             if (g0 + i >= groups)
                 break;
             const float s = mx_fp8_group_scale(mx_warp_max(m[i]));
-            if (c < cols) {
-                uint8_t b[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    b[e] = mx_fp8_encode(mx_fp8_clamp(__fdiv_rn(v[i][e], s)));
-                store4(qr + c, b);
-            }
+            if (c < cols)
+                store4(qr + c, encode4_divided(v[i], s));
             if (lane == 0)
                 scales[row * scale_ld + g0 + i] = s;
         }
@@ -332,12 +352,7 @@ __global__ void __launch_bounds__(kQuantThreads)
                 const int64_t c = c0 + i * 4 * kQuantThreads;
                 if (c >= ldq)
                     break;
-                uint8_t b[4] = {0, 0, 0, 0};
-                if (c < cols)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        b[e] = mx_fp8_encode(mx_fp8_clamp(__fmul_rn(v[i][e], inv)));
-                store4(q + row * ldq + c, b);
+                store4(q + row * ldq + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
             }
         }
     } else { /* grid: x = rows (stride) */
@@ -346,7 +361,7 @@ __global__ void __launch_bounds__(kQuantThreads)
                 continue;
             for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
                 q[row * ldq + c] = c < cols
-                                     ? mx_fp8_encode(mx_fp8_clamp(__fmul_rn(mx_to_float(x[row * ldx + c]), inv)))
+                                     ? mx_fp8_encode(__fmul_rn(mx_to_float(x[row * ldx + c]), inv))
                                      : static_cast<uint8_t>(0);
         }
     }
