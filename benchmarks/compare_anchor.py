@@ -44,6 +44,10 @@ def roofline_us(point, ceilings):
     return max(point["weight_bytes"] / (read * 1e12), flops / (peak * 1e12)) * 1e6
 
 
+def geometric_mean(values):
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result")
@@ -55,7 +59,7 @@ def main():
           f"{c['fp8_tflops']:.0f} TFLOP/s\n")
     print("| model, dtype | " + " | ".join(str(m) for m in TOKENS) + " |")
     print("|---" * (len(TOKENS) + 1) + "|")
-    ratios, wins, decode_fail, decode_total = [], 0, [], 0
+    ratios, at_roofline, wins, decode_fail, decode_total = [], [], 0, [], 0
     for (model, dtype), anchor in ANCHOR.items():
         cells = []
         for m, a in zip(TOKENS, anchor):
@@ -65,6 +69,7 @@ def main():
                 continue
             x = a / p["us"]
             ratios.append(x)
+            at_roofline.append(a / roofline_us(p, c))
             wins += x >= 1.0
             cells.append(f"{x:.2f}")
             if m <= 64:
@@ -74,8 +79,12 @@ def main():
                     decode_fail.append(f"{model}/{dtype}/M={m}: {p['us']:.1f} us > {bound:.1f}")
         print(f"| {model}, {dtype} | " + " | ".join(cells) + " |")
     if ratios:
-        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        geo = geometric_mean(ratios)
         print(f"\nx anchor: geometric mean {geo:.2f} over {len(ratios)} points; {wins} at or above 1.0")
+        ceiling = geometric_mean(at_roofline)
+        print(f"a forward at its roofline at every point would score {ceiling:.2f}; this run is at "
+              f"{geo / ceiling:.2f} of that ({sum(r < 1.25 for r in at_roofline)} points have the anchor within "
+              f"1.25 x their roofline)")
     print(f"decode (M <= 64) within 1.1 x roofline + 3 us: {decode_total - len(decode_fail)} of {decode_total}")
     for line in decode_fail:
         print("  over:", line)

@@ -26,6 +26,16 @@ def test_compare_anchor_scores_a_committed_result():
     assert f"geometric mean {geo:.2f} over {len(ratios)} points" in done.stdout, done.stdout
     assert f"{sum(r >= 1.0 for r in ratios)} at or above 1.0" in done.stdout, done.stdout
     assert "decode (M <= 64) within 1.1 x roofline + 3 us:" in done.stdout
+    with open(RESULT) as f:
+        result = json.load(f)
+    ceilings = result["meta"]["ceilings"]
+    by_key = {(p["model"], p["dtype"], p["M"]): p for p in result["points"]
+              if p["method"] == "moe_ext" and p.get("us") is not None}
+    best = [a / compare_anchor.roofline_us(by_key[(model, dtype, m)], ceilings)
+            for (model, dtype), anchor in compare_anchor.ANCHOR.items()
+            for m, a in zip(compare_anchor.TOKENS, anchor)]
+    best_geo = math.exp(sum(map(math.log, best)) / len(best))
+    assert f"a forward at its roofline at every point would score {best_geo:.2f}" in done.stdout, done.stdout
 
 
 def test_roofline_uses_the_streaming_read_ceiling():
