@@ -13,8 +13,7 @@
  *                              (route_align_kernel: routing and this in one launch, M <= 32)
  *   2. moe_scale_input_kernel  only with apply_router_weight_on_input
  *   3. GEMM1 over (m tiles, n tiles of I): act = act(x[token] @ w13[e].T + b13) in act dtype
- *      (Hopper persistent plans: sm90_gather_rows_kernel first copies x[token] into sorted order
- *      for the TMA; the Hopper decode kernel reads x[token] itself)
+ *      (the Hopper kernels read x[token] themselves)
  *   4. GEMM2 over (m tiles, n tiles of H[, k slices]): y[pair] = (act @ w2[e].T + b2) * w, float32
  *   5. moe_sum_kernel          out[t] = sum_j y[t, j], rounded once
  * Grids are sized from the worst case (tiles_max below) and surplus CTAs exit
@@ -28,9 +27,7 @@
  *   sorted_ids       int32 [rows_max]
  *   x_scaled         act   [M, H]        only with apply_router_weight_on_input
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
- *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode;
- *                                                 the persistent sm90 plans first gather
- *                                                 GEMM1's A [rows_max, H] in act dtype here)
+ *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
 #include "common.cuh"
 #include "experts.cuh"
@@ -78,12 +75,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
-    /* the persistent Hopper kernel gathers GEMM1's A rows [rows_max, H] into y's space first */
-    const size_t y_bytes = sizeof(float) * plan->down_splits * pairs * p->hidden_size;
-    const size_t a_bytes = mx_tile_is_sm90(plan->tile_config) && !mx_tile_is_sm90_decode(plan->tile_config)
-                             ? es * plan->rows_max * p->hidden_size
-                             : 0;
-    plan->off_y = mx_ws_take(&at, y_bytes > a_bytes ? y_bytes : a_bytes);
+    plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * pairs * p->hidden_size);
     plan->total_bytes = at;
 }
 
@@ -242,9 +234,9 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
                                                   p->num_local_experts, plan.tiles_max, stream);
     } else if (mx_tile_is_sm90(tile_config)) {
         const auto gemm = p->act_dtype == MX_BF16 ? mx_cuda_grouped_gemm_bf16_sm90 : mx_cuda_grouped_gemm_fp16_sm90;
-        st = gemm(&g1, kind1, tile_config, p->num_local_experts, y, plan.tiles_max, stream);
+        st = gemm(&g1, kind1, tile_config, p->num_local_experts, plan.tiles_max, stream);
         if (st.code == MX_OK)
-            st = gemm(&g2, MX_GEMM_DOWN, tile_config, p->num_local_experts, nullptr, plan.tiles_max, stream);
+            st = gemm(&g2, MX_GEMM_DOWN, tile_config, p->num_local_experts, plan.tiles_max, stream);
     } else switch (p->act_dtype) {
     case MX_BF16:
         st = mx_cuda_grouped_gemm_bf16(&g1, kind1, tile_config, aligned1, plan.tiles_max, stream);

@@ -25,8 +25,7 @@ extern "C" int mx_cuda_sm90_gemm_available(void)
 }
 
 extern "C" mx_status mx_cuda_grouped_gemm_bf16_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config,
-                                                    int64_t local_experts, void *a_gathered, int64_t m_tiles,
-                                                    cudaStream_t stream)
+                                                    int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
-    return grouped_gemm_sm90<__nv_bfloat16>(g, kind, tile_config, local_experts, a_gathered, m_tiles, stream);
+    return grouped_gemm_sm90<__nv_bfloat16>(g, kind, tile_config, local_experts, m_tiles, stream);
 }

@@ -34,15 +34,12 @@ int mx_cuda_sm90_gemm_available(void);
  * tables built with block_m = 128, k_splits == 1); tile_config is
  * MX_TILE_SM90 or MX_TILE_SM90_PAIR (gemm_configs.cuh). Preconditions (TMA):
  * g->k, g->n_rows, g->lda multiples of 8; g->a, g->w 16-byte aligned.
- * GEMM1 kinds: a_gathered is scratch of m_tiles * 128 * g->k elements,
- * 16-byte aligned, that receives the gathered rows of g->a; unused for
- * MX_GEMM_DOWN. local_experts: the leading dimension of g->w. */
+ * GEMM1 kinds read the rows of g->a by token (sorted_ids[s] / top_k) in
+ * the kernel. local_experts: the leading dimension of g->w. */
 mx_status mx_cuda_grouped_gemm_bf16_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config,
-                                         int64_t local_experts, void *a_gathered, int64_t m_tiles,
-                                         cudaStream_t stream);
+                                         int64_t local_experts, int64_t m_tiles, cudaStream_t stream);
 mx_status mx_cuda_grouped_gemm_fp16_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config,
-                                         int64_t local_experts, void *a_gathered, int64_t m_tiles,
-                                         cudaStream_t stream);
+                                         int64_t local_experts, int64_t m_tiles, cudaStream_t stream);
 
 /* grouped_gemm_sm90_decode.cu: the decode kernel (few rows per expert,
  * operands swapped) for the decode tile configs (mx_tile_is_sm90_decode),

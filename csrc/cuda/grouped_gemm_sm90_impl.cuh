@@ -7,11 +7,12 @@
  * Operands (row-major, K contiguous; TA = bf16 / fp16, or e4m3 with a 16-bit
  * act dtype T for outputs and biases):
  *   A  [rows, K] by sorted row s. GEMM2: act [rows_max, ld_act] as written by
- *      GEMM1. GEMM1: the token gather x[pair / top_k] cannot be a tensor map,
- *      so sm90_gather_rows_kernel first copies the rows into a contiguous
- *      [rows_max, H] buffer (one extra pass of M * top_k * H * 2 bytes, at
- *      about the copy bandwidth: 0.7% of the layer's time for Mixtral, 2.5%
- *      for gptoss, 8% for qwen3moe at M = 16384).
+ *      GEMM1, by TMA. GEMM1: the token gather x[pair / top_k] cannot be a
+ *      tensor map; 16-bit operands: the producer warpgroup copies the rows
+ *      from x with cp.async into the TMA box's swizzled layout; FP8:
+ *      sm90_gather_rows_kernel first copies them into a contiguous
+ *      [rows_max, H] buffer, loaded by TMA (sm90_rows_from_x says which and
+ *      why).
  *   W  [E_local, n_rows, K]: w13 or w2, one 3-D tensor map, so the rows of
  *      one expert past n_rows read as zero.
  *   Both maps: box = 128 bytes of K (the swizzle span: 64 16-bit or 128 fp8
@@ -37,8 +38,10 @@
  * setmaxnreg) own rows [0, 64) and [64, 128) of the tile and issue
  * wgmma.m64n{kBlockN} with both operands read from shared memory through
  * descriptors; warpgroup 2 (40 registers) has one thread issuing the TMA
- * loads. Pipeline: kStages slots of (A 16 KB, W kBlockN * 128 bytes), each
- * with a full barrier (1 arrival + the transaction bytes) and an empty
+ * loads (and, for 16-bit GEMM1, all 128 copying A rows: a full barrier
+ * then also waits for each one's cp.async arrival). Pipeline: kStages
+ * slots of (A 16 KB, W kBlockN * 128 bytes), each with a full barrier (1
+ * arrival + the transaction bytes) and an empty
  * barrier (one arrival per math warp of the cluster, sent once the wgmmas
  * reading the slot have retired: the math warpgroups keep one k-block of
  * wgmma in flight).
@@ -323,6 +326,19 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
 
 /* ---- kernels ----------------------------------------------------------------------- */
 
+/* GEMM1 kinds with 16-bit operands copy their A rows from x by token
+ * inside the kernel (cp.async by the producer warpgroup); FP8 GEMM1 first
+ * gathers them into sorted order (sm90_gather_rows_kernel) and loads them by
+ * TMA. Against the gather, H100 at 2026-11-25 (logs/2026-11-25-nvidia-h100-
+ * ab-rows-from-x.txt, two rounds): qwen3moe bf16 forwards -8..-9% at M =
+ * 1024..16384, gpt-oss bf16 -11% at M = 4096 and -1.5% at 16384, Mixtral
+ * bf16 +0.8%; FP8 GEMM1 slowed 13-14% (Mixtral fp8_tensor, DeepSeek-V3
+ * fp8_block at M = 16384: forwards +3..5%), so FP8 keeps the gather. */
+template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int kind)
+{
+    return kind != MX_GEMM_DOWN && sizeof(TA) == 2;
+}
+
 /* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
  * mode); T: act / bias type. With 128x128 block scales (kBlockScales) each
  * k block (128 fp8 columns, one scale block) is accumulated on its own in
@@ -352,6 +368,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr uint32_t HALF_W_BYTES = (BN / 2) * Shape::kBlockKBytes; /* one weight box */
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
+    constexpr bool kRowsFromX = sm90_rows_from_x<TA>(KIND); /* A rows by token, copied with cp.async */
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
@@ -363,7 +380,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar(s), 1);
+            mbar_init(full_bar(s), kRowsFromX ? 1 + 128 : 1); /* the TMA thread, and each producer thread's copies */
             mbar_init(empty_bar(s), Shape::kMathWarps * CM); /* every math warp of the cluster */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -386,11 +403,19 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int wg = threadIdx.x / 128;
 
     if (wg == Shape::kMathWarpgroups) {
-        /* producer warpgroup: one thread issues every TMA load */
+        /* producer warpgroup: thread 0 issues the TMA loads; for GEMM1 kinds
+         * all 128 copy the A rows from x with cp.async, thread t the 16-byte
+         * chunk t % 8 of rows t / 8 + 16 j (so a warp's copy covers 4 whole
+         * 128-byte row segments) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::kProducerRegs));
-        if (threadIdx.x % 128 == 0) {
-            tma_prefetch_map(&tma_a);
-            tma_prefetch_map(&tma_w);
+        const int pt = threadIdx.x % 128;
+        if (kRowsFromX || pt == 0) {
+            if (pt == 0) {
+                if (!kRowsFromX)
+                    tma_prefetch_map(&tma_a);
+                tma_prefetch_map(&tma_w);
+            }
+            const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
             uint32_t it = 0;
             for (int unit = cluster; unit < total; unit += clusters) {
                 int mu, nt;
@@ -401,26 +426,56 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 const int own = mt < num_m ? g.tile_expert[mt] : -1;
                 int peer = -1;
                 if (CM > 1) {
-                    const int pt = mu * CM + static_cast<int>(rank ^ 1u);
-                    peer = pt < num_m ? g.tile_expert[pt] : -1;
+                    const int peer_mt = mu * CM + static_cast<int>(rank ^ 1u);
+                    peer = peer_mt < num_m ? g.tile_expert[peer_mt] : -1;
                 }
                 const bool multicast = CM > 1 && own >= 0 && own == peer; /* same expert: share the weights */
                 const int expert = own >= 0 ? own : peer;
-                const int a_row = (own >= 0 ? mt : mt - 1) * BM; /* a phantom tile re-reads its partner's rows */
+                /* a phantom tile re-reads its partner's rows (TMA) or copies zeros */
+                const int a_row = (own >= 0 ? mt : mt - 1) * BM;
                 const int c = kGated ? nt * (BN / 2) : nt * BN;
                 const int row0 = c, row1 = kGated ? static_cast<int>(g.out_cols) + c : c + BN / 2; /* box rows */
+                /* GEMM1: the tokens of this thread's rows, -1 for padding and phantom rows */
+                int32_t token[kRowsFromX ? BM / 16 : 1];
+#pragma unroll
+                for (int j = 0; j < (kRowsFromX ? BM / 16 : 1); ++j) {
+                    const int64_t srow = static_cast<int64_t>(a_row) + pt / 8 + 16 * j;
+                    const int32_t pair = kRowsFromX && own >= 0 ? g.sorted_ids[srow] : -1;
+                    token[j] = pair >= 0 ? pair / g.top_k : -1;
+                }
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(empty_bar(s), phase ^ 1u); /* a fresh barrier passes parity 1 at once */
-                    mbar_arrive_expect_tx(full_bar(s), STAGE_BYTES);
                     const uint32_t a_dst = base + s * STAGE_BYTES, w_dst = a_dst + A_BYTES;
-                    tma_load_2d(a_dst, &tma_a, full_bar(s), kb * BK, a_row);
-                    if (multicast) {
-                        tma_load_3d_multicast(w_dst + rank * HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, rank ? row1 : row0,
-                                              expert, static_cast<uint16_t>((1u << CM) - 1u));
-                    } else {
-                        tma_load_3d(w_dst, &tma_w, full_bar(s), kb * BK, row0, expert);
-                        tma_load_3d(w_dst + HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+                    if (pt == 0) {
+                        mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? STAGE_BYTES - A_BYTES : STAGE_BYTES);
+                        if (!kRowsFromX)
+                            tma_load_2d(a_dst, &tma_a, full_bar(s), kb * BK, a_row);
+                        if (multicast) {
+                            tma_load_3d_multicast(w_dst + rank * HALF_W_BYTES, &tma_w, full_bar(s), kb * BK,
+                                                  rank ? row1 : row0, expert, static_cast<uint16_t>((1u << CM) - 1u));
+                        } else {
+                            tma_load_3d(w_dst, &tma_w, full_bar(s), kb * BK, row0, expert);
+                            tma_load_3d(w_dst + HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+                        }
+                    }
+                    if (kRowsFromX) {
+                        /* the TMA box's layout: 16-byte chunk q of row r at r * 128 +
+                         * (q ^ r % 8) * 16; chunks past K and rows without a token
+                         * zero-filled */
+                        const int q = pt % 8;
+                        const int64_t at = static_cast<int64_t>(kb) * 128 + 16 * q;
+                        const bool in_k = at < k_bytes;
+#pragma unroll
+                        for (int j = 0; j < BM / 16; ++j) {
+                            const int r = pt / 8 + 16 * j;
+                            const bool live = in_k && token[j] >= 0;
+                            const int64_t from =
+                                live ? static_cast<int64_t>(token[j]) * g.lda * static_cast<int64_t>(sizeof(TA)) + at : 0;
+                            mx_cp_async16(a_dst + static_cast<uint32_t>(r * 128 + ((q ^ (r % 8)) * 16)),
+                                          static_cast<const unsigned char *>(g.a) + from, live ? 16 : 0);
+                        }
+                        mbar_arrive_cp_async(full_bar(s));
                     }
                 }
             }
@@ -479,6 +534,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 auto issue = [&](int kb, float(&p)[BN / 2]) {
                     const uint32_t n = it + kb, s = n % STAGES;
                     mbar_wait(full_bar(s), (n / STAGES) & 1u);
+                    if (kRowsFromX)
+                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(p);
                     wgmma_fence();
@@ -531,6 +588,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(full_bar(s), phase);
+                    if (kRowsFromX)
+                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -555,6 +614,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(full_bar(s), phase);
+                    if (kRowsFromX)
+                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(acc);
                     wgmma_fence();
@@ -685,8 +746,11 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     if (st.code != MX_OK)
         return st;
     CUtensorMap map_a, map_w, map_out;
-    if (!sm90_rows_map<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st) ||
-        !sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, &map_w, &st))
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, &map_w, &st))
+        return st;
+    if (sm90_rows_from_x<TA>(KIND))
+        map_a = map_w; /* not read: the kernel copies its A rows from x by token */
+    else if (!sm90_rows_map<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st))
         return st;
     if (!sm90_staged_out<KIND>())
         map_out = map_a; /* not read */
@@ -743,7 +807,8 @@ mx_status launch_sm90_kind(const mx_gemm_args &g, const mx_sm90_scales &sc, mx_g
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
 }
 
-/* GEMM1 kinds gather A (rows of TA) into a_gathered first; MX_GEMM_DOWN
+/* FP8 GEMM1 kinds gather A (rows of TA) into a_gathered first (16-bit ones
+ * read x in the kernel, a_gathered unused); MX_GEMM_DOWN
  * reads g.a (act) directly. */
 template <typename TA, typename T, typename Shape, int QUANT>
 mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
@@ -751,7 +816,7 @@ mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &s
 {
     if (m_tiles <= 0)
         return mx_status_ok();
-    if (kind == MX_GEMM_DOWN)
+    if (kind == MX_GEMM_DOWN || sm90_rows_from_x<TA>(kind))
         return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, g->a, g->lda, local_experts, m_tiles, stream);
     const int64_t rows = m_tiles * Shape::kBlockM;
     const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
@@ -770,17 +835,17 @@ mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &s
 /* Entry of the 16-bit instantiations (grouped_gemm_bf16_sm90.cu / _fp16_sm90.cu). */
 template <typename T>
 mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_config, int64_t local_experts,
-                            void *a_gathered, int64_t m_tiles, cudaStream_t stream)
+                            int64_t m_tiles, cudaStream_t stream)
 {
     mx_sm90_scales none;
     memset(&none, 0, sizeof none);
     switch (tile_config) {
     case MX_TILE_SM90:
-        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, local_experts, a_gathered,
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, local_experts, nullptr,
                                                                            m_tiles, stream);
     case MX_TILE_SM90_PAIR:
         return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pair, MX_QUANT_NONE>(g, none, kind, local_experts,
-                                                                                a_gathered, m_tiles, stream);
+                                                                                nullptr, m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: tile config %d is not an sm90 config", tile_config);
 }
