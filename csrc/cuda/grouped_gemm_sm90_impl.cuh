@@ -369,6 +369,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kRowsFromX = sm90_rows_from_x<TA>(KIND); /* A rows by token, copied with cp.async */
+    static_assert(!kRowsFromX || QUANT == MX_QUANT_NONE, "the FP8 mainloops do not fence cp.async rows");
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
@@ -403,7 +404,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int wg = threadIdx.x / 128;
 
     if (wg == Shape::kMathWarpgroups) {
-        /* producer warpgroup: thread 0 issues the TMA loads; for GEMM1 kinds
+        /* producer warpgroup: thread 0 issues the TMA loads; for 16-bit GEMM1
          * all 128 copy the A rows from x with cp.async, thread t the 16-byte
          * chunk t % 8 of rows t / 8 + 16 j (so a warp's copy covers 4 whole
          * 128-byte row segments) */
@@ -534,8 +535,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 auto issue = [&](int kb, float(&p)[BN / 2]) {
                     const uint32_t n = it + kb, s = n % STAGES;
                     mbar_wait(full_bar(s), (n / STAGES) & 1u);
-                    if (kRowsFromX)
-                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(p);
                     wgmma_fence();
@@ -588,8 +587,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(full_bar(s), phase);
-                    if (kRowsFromX)
-                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
