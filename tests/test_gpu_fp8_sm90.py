@@ -93,6 +93,8 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
         tile = expected_gemm_kernel(m * k / e)
         if tile == PERSISTENT_KERNEL:
             assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+            # FP8 GEMM1 gathers its rows for the TMA (16-bit reads x in the kernel: sm90_rows_from_x)
+            assert any(GATHER_KERNEL in n for n in names), names
         else:
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
             assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
