@@ -82,11 +82,16 @@ template <typename T> __device__ __forceinline__ void load4(const T *x, float (&
 /* four fp8 bytes (the first in the low byte) in one 4-byte store (q 4-byte aligned) */
 __device__ __forceinline__ void store4(uint8_t *q, uint32_t bytes) { *reinterpret_cast<uint32_t *>(q) = bytes; }
 
+/* fp8(clamp(a..d)), packed as store4 takes them */
+__device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d)
+{
+    return mx_fp8_encode2(a, b) | static_cast<uint32_t>(mx_fp8_encode2(c, d)) << 16;
+}
+
 /* fp8(clamp(v * inv)) of four values, packed as store4 takes them */
 __device__ __forceinline__ uint32_t encode4_scaled(const float (&v)[4], float inv)
 {
-    return mx_fp8_encode2(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv)) |
-           static_cast<uint32_t>(mx_fp8_encode2(__fmul_rn(v[2], inv), __fmul_rn(v[3], inv))) << 16;
+    return encode4(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv), __fmul_rn(v[2], inv), __fmul_rn(v[3], inv));
 }
 
 /* fp8(clamp(x / s)) for a group scale s: mx_fp8_div with r =
@@ -102,11 +107,9 @@ __device__ __forceinline__ uint32_t encode4_divided(const float (&v)[4], float s
 {
     if (isfinite(s)) {
         const float r = mx_fp8_div_recip(s);
-        return mx_fp8_encode2(mx_fp8_div(v[0], s, r), mx_fp8_div(v[1], s, r)) |
-               static_cast<uint32_t>(mx_fp8_encode2(mx_fp8_div(v[2], s, r), mx_fp8_div(v[3], s, r))) << 16;
+        return encode4(mx_fp8_div(v[0], s, r), mx_fp8_div(v[1], s, r), mx_fp8_div(v[2], s, r), mx_fp8_div(v[3], s, r));
     }
-    return mx_fp8_encode2(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s)) |
-           static_cast<uint32_t>(mx_fp8_encode2(__fdiv_rn(v[2], s), __fdiv_rn(v[3], s))) << 16;
+    return encode4(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s), __fdiv_rn(v[2], s), __fdiv_rn(v[3], s));
 }
 
 /* ---- mx_cuda_fp8_quant: PER_TENSOR ------------------------------------------ */

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             for (int r = lane / 8; r < BT; r += 4) {
                 const unsigned char *row = tile_row[r];
                 const bool live = row != nullptr && at < k_bytes;
-                mx_cp_async16(dst + W_BYTES + static_cast<uint32_t>(r * 128 + ((chunk ^ (r % 8)) * 16)),
+                mx_cp_async16(dst + W_BYTES + sw128_offset(r, 16u * chunk),
                                  live ? row + at : static_cast<const unsigned char *>(g.a), live ? 16 : 0);
             }
             mbar_arrive_cp_async(full_bar(s));

@@ -224,9 +224,7 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     auto store = [&](bool second, int64_t col, uint32_t packed) {
         if constexpr (sm90_staged_out<KIND>()) {
             const int r = stage.row + (second ? 8 : 0), c = static_cast<int>(col - tile_col);
-            const uint32_t byte = 2u * static_cast<uint32_t>(c % 64);
-            st_shared_u32(stage.base + (c / 64) * Shape::kOutBoxBytes + r * 128 + ((((byte >> 4) ^ r) & 7u) << 4) +
-                              (byte & 15u),
+            st_shared_u32(stage.base + (c / 64) * Shape::kOutBoxBytes + sw128_offset(r, 2u * static_cast<uint32_t>(c % 64)),
                           packed);
         } else {
             *reinterpret_cast<uint32_t *>((second ? act_hi : act_lo) + col) = packed;
@@ -461,9 +459,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         }
                     }
                     if (kRowsFromX) {
-                        /* the TMA box's layout: 16-byte chunk q of row r at r * 128 +
-                         * (q ^ r % 8) * 16; chunks past K and rows without a token
-                         * zero-filled */
+                        /* the TMA box's layout (sw128_offset); chunks past K and rows
+                         * without a token zero-filled */
                         const int q = pt % 8;
                         const int64_t at = static_cast<int64_t>(kb) * 128 + 16 * q;
                         const bool in_k = at < k_bytes;
@@ -473,8 +470,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                             const bool live = in_k && token[j] >= 0;
                             const int64_t from =
                                 live ? static_cast<int64_t>(token[j]) * g.lda * static_cast<int64_t>(sizeof(TA)) + at : 0;
-                            mx_cp_async16(a_dst + static_cast<uint32_t>(r * 128 + ((q ^ (r % 8)) * 16)),
-                                          static_cast<const unsigned char *>(g.a) + from, live ? 16 : 0);
+                            mx_cp_async16(a_dst + sw128_offset(r, 16u * q), static_cast<const unsigned char *>(g.a) + from,
+                                          live ? 16 : 0);
                         }
                         mbar_arrive_cp_async(full_bar(s));
                     }

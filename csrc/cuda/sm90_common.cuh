@@ -293,15 +293,18 @@ MX_WGMMA_FORMS(__nv_fp8_e4m3, "k32.f32.e4m3.e4m3", "1, 1")
 
 
 /* amax step over the two values of a stored pair, as rounded to T. */
-template <typename T> __device__ __forceinline__ float sm90_amax2(float m, uint32_t packed);
-template <> __device__ __forceinline__ float sm90_amax2<__nv_bfloat16>(float m, uint32_t packed)
+template <typename T> __device__ __forceinline__ float sm90_amax2(float m, uint32_t packed)
 {
-    return mx_amax_step(mx_amax_step(m, __uint_as_float(packed << 16)), __uint_as_float(packed & 0xffff0000u));
+    const float2 v = mx_unpack2<T>(packed);
+    return mx_amax_step(mx_amax_step(m, v.x), v.y);
 }
-template <> __device__ __forceinline__ float sm90_amax2<__half>(float m, uint32_t packed)
+
+/* Byte offset of byte `byte` (0..127) of row `row` in a 128B-swizzled box of
+ * 128-byte rows (the layout of a CU_TENSOR_MAP_SWIZZLE_128B box): the 16-byte
+ * chunk byte / 16 lands at chunk (byte / 16) ^ (row % 8). */
+__device__ __forceinline__ uint32_t sw128_offset(int row, uint32_t byte)
 {
-    const __half2 h = *reinterpret_cast<const __half2 *>(&packed);
-    return mx_amax_step(mx_amax_step(m, __low2float(h)), __high2float(h));
+    return static_cast<uint32_t>(row) * 128u + ((((byte >> 4) ^ static_cast<uint32_t>(row)) & 7u) << 4) + (byte & 15u);
 }
 
 /* GEMM1's A operand: out[s] = x[sorted_ids[s] / top_k] for the rows of the
