@@ -50,6 +50,10 @@ class BuildExtWithCuda(build_ext):
     def build_extension(self, ext):
         cuda_sources = [s for s in ext.sources if s.endswith(".cu")]
         ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
+        # the link below is skipped unless something here is newer than the module: the CUDA
+        # sources and every header count, not only the C sources left in ext.sources
+        ext.depends = list(ext.depends) + cuda_sources + sorted(
+            glob("csrc/**/*.h", recursive=True) + glob("csrc/**/*.cuh", recursive=True))
         nvcc = find_nvcc() if cuda_sources else None
         if nvcc:
             cuda_home = os.path.dirname(os.path.dirname(nvcc))
