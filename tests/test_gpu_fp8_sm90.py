@@ -115,40 +115,6 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
             assert any(DECODE_DOWN_FP8 in n for n in names), f"no {DECODE_DOWN_FP8} ran: {names}"
 
 
-X_QUANT = {"tensor": ("rows_amax_kernel", "rows_quant_tensor_kernel"), "block": ("group_quant",)}
-GROUPED = dict(use_grouped_topk=True, num_expert_group=8, topk_group=4, scoring_func="sigmoid",
-               routed_scaling_factor=2.5)
-
-
-# (E, k, routing, H, M): softmax top-2 of 16 with H = 1000 (partial groups, padded x_q rows) and
-# 2048 up to the bound of 16K elements of x and past it, and past 32 tokens; DeepSeek's grouped
-# sigmoid over 256 experts, routed by 8 warps per token up to 4 tokens
-@pytest.mark.parametrize("e,k,routing,h,m", [
-    (16, 2, {}, 1000, 1), (16, 2, {}, 1000, 16), (16, 2, {}, 1000, 17), (16, 2, {}, 2048, 8),
-    (16, 2, {}, 2048, 9), (16, 2, {}, 400, 33), (256, 8, GROUPED, 512, 1), (256, 8, GROUPED, 512, 4)],
-    ids=["1", "16", "17-not-fused", "8x2048", "9x2048-not-fused", "33-not-fused", "grouped-1", "grouped-4"])
-@pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_x_quantized_in_the_routing_launch(method, e, k, routing, h, m, gen):
-    """Up to 32 tokens and 16K elements of x, the fused route + sort kernel also quantizes x
-    (route_align.cu): no x quantizer runs (only act's), and the forward gives the same bits as
-    forward_routed with the same routing, whose x goes through fp8_quant.cu's row quantizers
-    (so the two quantize x bit for bit, the GEMMs being the same)."""
-    cfg = ("silu", dict(activation="silu", **routing), False, True, False)
-    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, 128, cfg)
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    kw = dict(topk_group=4, num_expert_group=8, scoring_func="sigmoid", routed_scaling_factor=2.5) if routing else {}
-    weights, ids = layer.select_experts(x, logits, k, bool(routing), layer.renormalize, **kw)
-    assert torch.equal(out, layer.forward_routed(x, weights, ids))
-    if not routing:  # (the float64 reference routes by softmax; forward_routed's numerics are tested)
-        compare_tensor(layer, out, x, logits, cfg, f"fp8 {method} x quantized in routing M={m}")
-    fused = m <= 32 and m * h <= 16 * 1024
-    names = kernels_of(lambda: layer(x, logits))
-    runs = sum(any(q in n for q in X_QUANT[method]) for n in names)
-    assert runs == (1 if fused else 1 + len(X_QUANT[method])), names  # act's quantizer runs either way
-
-
 @pytest.mark.parametrize("i", [256, 1280])  # 2 and 10 k blocks per unit
 @pytest.mark.parametrize("rows_per_expert", [5, 30])  # 16- and 48-token tiles
 @pytest.mark.parametrize("method", list(METHODS))

@@ -83,31 +83,12 @@ mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, 
                             int64_t global_experts, int64_t local_experts, int block_m, int32_t *align_ws,
                             int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream);
 
-/* The FP8 pipeline's quantization of x (experts_fp8.cu step 3, as
- * mx_cuda_fp8_quant_a computes it: the rows of tokens with a local expert),
- * offered to the fused route + sort kernel, which does it at decode in the
- * same launch. x, q and their row strides allow 4-element accesses (x
- * 8-byte aligned for 16-bit elements, 16-byte for float32; cols, ldx and ldq
- * multiples of 4, ldq of 16). */
-typedef struct mx_fp8_x_quant {
-    mx_quant quant;    /* MX_QUANT_FP8_TENSOR or MX_QUANT_FP8_BLOCK */
-    const void *x;     /* [M, ldx] */
-    mx_dtype dtype;
-    int64_t cols, ldx; /* H, row stride (elements) */
-    uint8_t *q;        /* fp8 [M, ldq], zero past cols */
-    int64_t ldq;
-    float *scales;     /* TENSOR: [1]; BLOCK: [M, scale_ld], one per 128 columns */
-    int64_t scale_ld;
-    uint32_t *act_amax; /* TENSOR: zeroed for GEMM1's atomic amax */
-} mx_fp8_x_quant;
-
 /* route_align.cu: routing when p->routing is set (fused with the sort into
  * one launch when M is small), then the sort of mx_cuda_moe_align with
- * p's ids, experts and pairs. With xq, the fused launch also quantizes x
- * (*x_quantized = 1; else 0 and the caller quantizes). */
+ * p's ids, experts and pairs. */
 mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *align_ws,
                                   int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
-                                  const mx_fp8_x_quant *xq, int *x_quantized, cudaStream_t stream);
+                                  cudaStream_t stream);
 
 /* moe_scale_input.cu: x_scaled[t] = x[t] * topk_weights[t, 0], both rounded to dtype. */
 mx_status mx_cuda_moe_scale_input(const void *x, const float *topk_weights, int64_t tokens, int64_t hidden,

@@ -16,10 +16,7 @@
  *   3. x -> x_q                 TENSOR: rows_amax_kernel (block maxima over the
  *                               rows of tokens with a local expert; also zeroes
  *                               act_amax) + rows_quant_tensor_kernel;
- *                               BLOCK: group_quant_kernel (x_scale [M, H/128]);
- *                               both inside route_align_kernel at decode (up to
- *                               32 tokens and 64K elements of x, routed by the
- *                               engine, no apply_router_weight_on_input)
+ *                               BLOCK: group_quant_kernel (x_scale [M, H/128])
  *   4. GEMM1 (fp8)              act = act(x_q[token] @ w13[e].T * scales + b13),
  *                               (Hopper persistent configs: x_q rows gathered
  *                               into sorted order first, grouped_gemm_fp8_sm90.cu;
@@ -175,22 +172,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *act_scale = reinterpret_cast<float *>(ws + plan.off_act_scale);
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
 
-    /* at decode the fused route + sort launch quantizes x too (route_align.cu),
-     * unless x is first scaled by the routing weights */
-    mx_fp8_x_quant xq = {};
-    xq.quant = p->quant;
-    xq.x = p->hidden_states;
-    xq.dtype = p->act_dtype;
-    xq.cols = H;
-    xq.ldx = H;
-    xq.q = x_q;
-    xq.ldq = plan.ld_xq;
-    xq.scales = block ? x_scale : x_tensor_scale;
-    xq.scale_ld = plan.x_blocks;
-    xq.act_amax = act_amax;
-    int x_quantized = 0;
     mx_status st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles,
-                                           p->apply_router_weight_on_input ? nullptr : &xq, &x_quantized, stream);
+                                           stream);
     if (st.code != MX_OK)
         return st;
 
@@ -210,9 +193,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     routed.top_k = p->top_k;
     routed.global_experts = p->global_num_experts;
     routed.local_experts = p->num_local_experts;
-    if (!x_quantized)
-        st = mx_cuda_fp8_quant_a(x, p->act_dtype, M, H, H, &routed, p->quant, partials, act_amax, x_q, plan.ld_xq,
-                                 block ? x_scale : x_tensor_scale, plan.x_blocks, stream);
+    st = mx_cuda_fp8_quant_a(x, p->act_dtype, M, H, H, &routed, p->quant, partials, act_amax, x_q, plan.ld_xq,
+                             block ? x_scale : x_tensor_scale, plan.x_blocks, stream);
     if (st.code != MX_OK)
         return st;
 
