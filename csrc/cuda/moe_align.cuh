@@ -69,17 +69,23 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
     return v + (warp > 0 ? warp_totals[warp - 1] : 0);
 }
 
-/* Expert e's segment: `count` pairs in `tiles` tiles from first_tile. Its
- * first row goes to start[e], its tiles into the tile table, -1 into the
- * padding rows after the pairs. */
+/* Expert e's segment of `tiles` tiles from first_tile: its first row goes
+ * to start[e], its tiles into the tile table. */
+__device__ __forceinline__ void moe_align_segment_head(int e, int tiles, int first_tile, int block_m, int32_t *start,
+                                                       int32_t *__restrict__ tile_expert)
+{
+    start[e] = first_tile * block_m;
+    for (int i = 0; i < tiles; ++i)
+        tile_expert[first_tile + i] = e;
+}
+
+/* The same, and -1 into the padding rows after the segment's `count` pairs. */
 __device__ __forceinline__ void moe_align_write_segment(int e, int count, int tiles, int first_tile, int block_m,
                                                         int32_t *start, int32_t *__restrict__ tile_expert,
                                                         int32_t *__restrict__ sorted_ids)
 {
+    moe_align_segment_head(e, tiles, first_tile, block_m, start, tile_expert);
     const int first_row = first_tile * block_m;
-    start[e] = first_row;
-    for (int i = 0; i < tiles; ++i)
-        tile_expert[first_tile + i] = e;
     for (int r = first_row + count; r < first_row + tiles * block_m; ++r)
         sorted_ids[r] = -1;
 }
@@ -154,7 +160,10 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
 
 /* moe_align_block's sort by one warp (lane = threadIdx.x & 31), with the
  * same outputs; the counters are in shared memory (2 * E ints at
- * align_smem). Experts go 32 at a time through a warp prefix sum. */
+ * align_smem). Experts go 32 at a time through a warp prefix sum; every
+ * row in use is set to -1 by the whole warp before the scatter (a lane
+ * writing its expert's padding rows one by one was up to block_m - 1
+ * dependent stores per 32 experts). */
 __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const int32_t *__restrict__ expert_map,
                                                int64_t pairs, int64_t global_experts, int64_t local_experts,
                                                int block_m, int32_t *align_smem, int32_t *__restrict__ sorted_ids,
@@ -179,12 +188,14 @@ __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const in
         const int tiles = (count + block_m - 1) / block_m;
         const int incl = warp_inclusive_scan(tiles);
         if (e < E)
-            moe_align_write_segment(e, count, tiles, carry + incl - tiles, block_m, cursor, tile_expert, sorted_ids);
+            moe_align_segment_head(e, tiles, carry + incl - tiles, block_m, cursor, tile_expert);
         carry += __shfl_sync(0xffffffffu, incl, 31);
     }
     if (lane == 0)
         *num_tiles = carry;
-    __syncwarp();
+    for (int r = lane; r < carry * block_m; r += 32)
+        sorted_ids[r] = -1;
+    __syncwarp(); /* the fill is ordered before the scatter's stores to the same rows */
     for (int64_t p = lane; p < pairs; p += 32) {
         const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
         if (e >= 0)

@@ -30,16 +30,34 @@ __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi)
     return v > bv || (v == bv && i < bi);
 }
 
+/* route_better's order as unsigned keys: NaN lowest (0), -0 as +0 (they
+ * compare equal, so the index decides), then the floats' order. */
+__device__ __forceinline__ uint32_t route_key(float v)
+{
+    if (isnan(v))
+        return 0u;
+    const uint32_t b = __float_as_uint(v + 0.0f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float route_key_value(uint32_t key)
+{
+    if (key == 0u)
+        return NAN;
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+/* The best (v, i) of the warp under route_better, to every lane: the
+ * largest key, then the lowest index holding it, each one warp reduction
+ * (redux.sync; a butterfly of shuffles and route_better compares was ~70
+ * dependent instructions per call, and the k rounds of a token's top k
+ * issue one call each). */
 __device__ __forceinline__ void warp_argmax(float &v, int &i)
 {
-    for (int off = 16; off > 0; off >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, off);
-        int oi = __shfl_xor_sync(0xffffffffu, i, off);
-        if (route_better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
+    const uint32_t key = route_key(v);
+    const uint32_t best = __reduce_max_sync(0xffffffffu, key);
+    i = static_cast<int>(__reduce_min_sync(0xffffffffu, key == best ? static_cast<uint32_t>(i) : 0xffffffffu));
+    v = route_key_value(best);
 }
 
 __device__ __forceinline__ float warp_max(float v)
