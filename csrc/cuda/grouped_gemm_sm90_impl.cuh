@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
-    const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* act staging of gated GEMM1 */
+    const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* act staging of interleaved GEMM1 */
     const uint32_t bars = out_boxes + (sm90_staged_out<KIND>() ? Shape::kOutBytes : 0); /* full[STAGES], empty[STAGES] */
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };

@@ -40,24 +40,16 @@ __device__ __forceinline__ uint32_t route_key(float v)
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-__device__ __forceinline__ float route_key_value(uint32_t key)
-{
-    if (key == 0u)
-        return NAN;
-    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
-}
-
-/* The best (v, i) of the warp under route_better, to every lane: the
- * largest key, then the lowest index holding it, each one warp reduction
- * (redux.sync; a butterfly of shuffles and route_better compares was ~70
- * dependent instructions per call, and the k rounds of a token's top k
- * issue one call each). */
-__device__ __forceinline__ void warp_argmax(float &v, int &i)
+/* The index of the warp's best (v, i) under route_better, to every lane:
+ * the largest key, then the lowest index holding it, each one warp
+ * reduction (redux.sync; a butterfly of shuffles and route_better compares
+ * was ~70 dependent instructions per call, and the k rounds of a token's
+ * top k issue one call each). */
+__device__ __forceinline__ int warp_argmax(float v, int i)
 {
     const uint32_t key = route_key(v);
     const uint32_t best = __reduce_max_sync(0xffffffffu, key);
-    i = static_cast<int>(__reduce_min_sync(0xffffffffu, key == best ? static_cast<uint32_t>(i) : 0xffffffffu));
-    v = route_key_value(best);
+    return static_cast<int>(__reduce_min_sync(0xffffffffu, key == best ? static_cast<uint32_t>(i) : 0xffffffffu));
 }
 
 __device__ __forceinline__ float warp_max(float v)
@@ -179,7 +171,7 @@ __device__ __forceinline__ void route_select_warp(const mx_routing_problem &p, c
                 bv = r.choice[e];
                 bi = e;
             }
-        warp_argmax(bv, bi);
+        bi = warp_argmax(bv, bi);
         __syncwarp();
         if (lane == 0) {
             r.choice[bi] = NAN;
@@ -282,7 +274,7 @@ __device__ __forceinline__ void route_token_regs(const mx_routing_problem &p, in
                 bv = choice[i];
                 bi = lane + 32 * i;
             }
-        warp_argmax(bv, bi);
+        bi = warp_argmax(bv, bi);
 #pragma unroll
         for (int i = 0; i < EPL; ++i)
             if (lane + 32 * i == bi) {

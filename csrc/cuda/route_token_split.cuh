@@ -69,12 +69,9 @@ __device__ __forceinline__ void route_token_split(const mx_routing_problem &p, i
             choice = -INFINITY;
     }
     for (int j = 0; j < k; ++j) { /* the warp's top k */
-        float bv = choice;
-        int bi = isnan(choice) ? E : e;
-        warp_argmax(bv, bi);
-        if (bi == e) {
+        if (warp_argmax(choice, isnan(choice) ? E : e) == e) {
+            cand_value[w * k + j] = choice;
             choice = NAN;
-            cand_value[w * k + j] = bv;
             cand_weight[w * k + j] = score;
             cand_id[w * k + j] = e;
         }
@@ -99,7 +96,7 @@ __device__ __forceinline__ void route_token_split(const mx_routing_problem &p, i
                 bv = v[i];
                 bi = id[i];
             }
-        warp_argmax(bv, bi);
+        bi = warp_argmax(bv, bi);
 #pragma unroll
         for (int i = 0; i < kSplitMergePerLane; ++i)
             if (id[i] == bi && !isnan(v[i])) {
