@@ -230,6 +230,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
                                  : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                      : MX_GEMM_GATE_UP;
     const bool sm90 = mx_fp8_tile_is_sm90(plan.tile_config);
+    /* right after the x quantizer: the decode kernel reads the tile table
+     * before waiting for the kernel ahead (grouped_gemm_sm90_decode.cuh) */
     st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g1, kind1, p->quant, plan.tile_config, p->num_local_experts, x_q_sorted,
                                               plan.tiles_max, stream)
               : mx_cuda_grouped_gemm_fp8(&g1, kind1, p->quant, plan.tile_config, aligned1, plan.tiles_max, stream);

@@ -67,6 +67,16 @@ __device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t ro
     return true;
 }
 
+/* rows below which row_valid may hold: with SORTED rows the tiles' rows (the
+ * launch covers the worst case, mostly padding past them) */
+__device__ __forceinline__ int64_t live_rows(const mx_fp8_row_filter &f, int64_t rows)
+{
+    if (f.mode != MX_FP8_ROWS_SORTED)
+        return rows;
+    const int64_t tiled = static_cast<int64_t>(*f.num_tiles) * f.block_m;
+    return tiled < rows ? tiled : rows;
+}
+
 /* x[0..4) to float32: one 8-byte (16-bit T) or 16-byte (float) load; x is
  * 4-element aligned. */
 template <typename T> __device__ __forceinline__ void load4(const T *x, float (&v)[4])
@@ -219,8 +229,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 constexpr int kGroupsPerWarp = 4;
-constexpr int kTensorQuads = 4; /* rows_quant_tensor_kernel: quads per thread and row, loads first */
-constexpr int kTensorChunk = kTensorQuads * 4 * kQuantThreads;
+constexpr int kTensorQuads = 8; /* rows_quant_tensor_kernel: quads per lane loaded before any is stored */
 
 /* group_quant_kernel for groups of 128 columns over 4-element aligned rows
  * (x, q, cols, ldx, ldq): a warp takes a unit of kGroupsPerWarp groups of
@@ -238,7 +247,8 @@ __global__ void __launch_bounds__(kQuantThreads)
     const int lane = threadIdx.x & 31;
     const int64_t groups = (cols + 127) / 128, chunks = (groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32);
-    for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5); u < rows * chunks;
+    const int64_t units = live_rows(f, rows) * chunks;
+    for (int64_t u = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5); u < units;
          u += warps) {
         const int64_t row = u / chunks, g0 = (u - row * chunks) * kGroupsPerWarp;
         if (!row_valid(f, row))
@@ -319,43 +329,44 @@ __global__ void __launch_bounds__(kQuantThreads)
 {
     mx_griddep_wait();
     mx_griddep_launch_dependents();
-    __shared__ float inv_scale;
-    if (threadIdx.x < 32) {
-        float m = 0.0f;
-        if (partials) {
-            for (int i = threadIdx.x; i < parts; i += 32)
-                m = mx_max_nan(m, partials[i]);
-            m = mx_warp_max(m);
-        } else {
-            m = __uint_as_float(*amax_bits);
-        }
-        if (threadIdx.x == 0) {
-            const float s = mx_fp8_tensor_scale(m);
-            inv_scale = __fdiv_rn(1.0f, s);
-            if (blockIdx.x == 0)
-                *scale = s;
-        }
+    /* the tensor's amax: the partial maxima spread over the whole block (at
+     * most kAmaxParts / kQuantThreads loads a thread, all issued together),
+     * or the atomic amax */
+    float m = 0.0f;
+    if (partials) {
+        for (int i = threadIdx.x; i < parts; i += kQuantThreads)
+            m = mx_max_nan(m, partials[i]);
+        m = block_max(m);
+    } else {
+        m = __uint_as_float(*amax_bits);
     }
-    __syncthreads();
-    const float inv = inv_scale;
-    if constexpr (kVec4) { /* grid: x = rows (stride), y = chunks of kTensorChunk columns */
-        const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTensorChunk + 4 * threadIdx.x;
-        if (c0 >= ldq)
-            return;
-        for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float s = mx_fp8_tensor_scale(m);
+    const float inv = __fdiv_rn(1.0f, s);
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        *scale = s;
+    if constexpr (kVec4) { /* a warp per row (rows striding over the grid's warps); lane l: quads l + 32 i */
+        const int lane = threadIdx.x & 31;
+        const int64_t quads = ldq / 4, warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32);
+        const int64_t live = live_rows(f, rows);
+        for (int64_t row = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5); row < live;
+             row += warps) {
             if (!row_valid(f, row))
                 continue;
-            float v[kTensorQuads][4];
+            const T *xr = x + row * ldx;
+            uint8_t *qr = q + row * ldq;
+            for (int64_t q0 = lane; q0 < quads; q0 += 32 * kTensorQuads) {
+                float v[kTensorQuads][4];
 #pragma unroll
-            for (int i = 0; i < kTensorQuads; ++i)
-                if (c0 + i * 4 * kQuantThreads < cols)
-                    load4(x + row * ldx + c0 + i * 4 * kQuantThreads, v[i]);
+                for (int i = 0; i < kTensorQuads; ++i)
+                    if (4 * (q0 + 32 * i) < cols)
+                        load4(xr + 4 * (q0 + 32 * i), v[i]);
 #pragma unroll
-            for (int i = 0; i < kTensorQuads; ++i) {
-                const int64_t c = c0 + i * 4 * kQuantThreads;
-                if (c >= ldq)
-                    break;
-                store4(q + row * ldq + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
+                for (int i = 0; i < kTensorQuads; ++i) {
+                    const int64_t c = 4 * (q0 + 32 * i);
+                    if (c >= ldq)
+                        break;
+                    store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
+                }
             }
         }
     } else { /* grid: x = rows (stride) */
@@ -517,10 +528,8 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         dim3 grid(static_cast<unsigned>(grid_cap(rows, 4096)));
         auto kernel = rows_quant_tensor_kernel<T, false>;
-        if (rows_vec4<T>(x, cols, ldx, q, ldq)) { /* up to ~8K blocks */
-            const int64_t chunks = mx_ceil_div(ldq, kTensorChunk);
-            grid = dim3(static_cast<unsigned>(grid_cap(rows, grid_cap(8192 / chunks, 65535))),
-                        static_cast<unsigned>(chunks));
+        if (rows_vec4<T>(x, cols, ldx, q, ldq)) { /* a warp per row, up to 8K blocks */
+            grid = dim3(static_cast<unsigned>(grid_cap(mx_ceil_div(rows, kQuantThreads / 32), 8192)));
             kernel = rows_quant_tensor_kernel<T, true>;
         }
         return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream, static_cast<const T *>(x),

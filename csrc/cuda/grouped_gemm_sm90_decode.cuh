@@ -43,10 +43,11 @@
  * with block scales as acc += part * sa[token, kb] * sw[box, kb] (a k block
  * is one 128-wide scale block). (Promoting every k step, 32 columns, as
  * before: 0.0023 on that test, but four wgmma round trips per k block.)
- * Launched dependent (common.cuh mx_launch_dependent): GEMM2 and LINEAR issue
- * their first kStages weight loads before waiting for the kernel ahead (its
- * output is only their A), so their weight stream starts during that
- * kernel's tail; GEMM1 waits first (the sort just wrote its tile table).
+ * Launched dependent (common.cuh mx_launch_dependent): GEMM2, LINEAR and FP8
+ * GEMM1 issue their first kStages weight loads before waiting for the kernel
+ * ahead (its output is only their A: act_q, or x_q from the x quantizer), so
+ * their weight stream starts during that kernel's tail; 16-bit GEMM1 waits
+ * first (the sort just wrote its tile table).
  * Epilogue: the accumulators go through shared memory (the drained ring) as
  * a [128 weight rows][kBlockT tokens] float tile, then the threads walk the
  * outputs column-fastest: GEMM1 kinds apply scale, bias and activation and
@@ -126,10 +127,12 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
     constexpr bool kRowsFromX = decode_rows_from_x(KIND);
     constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
-    /* launched dependent (common.cuh): GEMM2 and LINEAR know their weight
-     * tiles before the previous kernel ends (the tile table is older), GEMM1
-     * reads the tile table the previous kernel (moe_align) writes */
-    if (kRowsFromX) {
+    /* launched dependent (common.cuh): GEMM2, LINEAR and FP8 GEMM1 (after
+     * the x quantizer) know their weight tiles before the previous kernel
+     * ends (the tile table is older); 16-bit GEMM1 reads the tile table the
+     * previous kernel (moe_align) writes */
+    constexpr bool kWaitFirst = kRowsFromX && QUANT == MX_QUANT_NONE;
+    if (kWaitFirst) {
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         for (int kb = kb0; kb < first_end; ++kb)
             issue_w(kb);
     }
-    if (!kRowsFromX) { /* A comes from the previous kernel */
+    if (!kWaitFirst) { /* A (or x_q) comes from the previous kernel */
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
