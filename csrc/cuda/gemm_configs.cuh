@@ -269,7 +269,10 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
  * bandwidth bound and 128-row tiles pad too much (gptoss at 32 rows per
  * expert 1705 us with 64-row tiles against 1992 us, qwen3moe at 64 rows 459
  * against 534 us, Mixtral at 64 rows 792 against 1242 us; stage totals, H200,
- * 2026-11-22): the decode kernel takes them (mx_select_sm90_decode_config).
+ * 2026-11-22): the decode kernel takes them (mx_select_sm90_decode_config);
+ * at 64 rows the persistent kernel still wins (decode up to 96 rows, H100,
+ * 2026-11-25: qwen3moe M = 1024 559 against 531 us, Mixtral M = 256 1052
+ * against 1003).
  * From kSm90PairMinRowsPerExpert rows (8 m tiles per expert,
  * so m tile pairs rarely straddle two experts) the cluster config wins in
  * every run: Mixtral M=16384 18.2-18.6 against 18.9-19.1 ms, M=4096 4.4-4.7
