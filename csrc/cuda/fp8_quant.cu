@@ -54,6 +54,18 @@ __device__ __forceinline__ float block_max(float v)
     return m;
 }
 
+/* The rows a filtered kernel walks, [0, live_rows): with SORTED rows the
+ * tiles' rows, num_tiles x block_m (the launch covers the worst case, mostly
+ * padding past them); else all. */
+__device__ __forceinline__ int64_t live_rows(const mx_fp8_row_filter &f, int64_t rows)
+{
+    if (f.mode != MX_FP8_ROWS_SORTED)
+        return rows;
+    const int64_t tiled = static_cast<int64_t>(*f.num_tiles) * f.block_m;
+    return tiled < rows ? tiled : rows;
+}
+
+/* Whether row (under live_rows) is quantized. */
 __device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t row)
 {
     if (f.mode == MX_FP8_ROWS_ROUTED) {
@@ -62,19 +74,7 @@ __device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t ro
                 return true;
         return false;
     }
-    if (f.mode == MX_FP8_ROWS_SORTED)
-        return row < static_cast<int64_t>(*f.num_tiles) * f.block_m && f.sorted_ids[row] >= 0;
-    return true;
-}
-
-/* rows below which row_valid may hold: with SORTED rows the tiles' rows (the
- * launch covers the worst case, mostly padding past them) */
-__device__ __forceinline__ int64_t live_rows(const mx_fp8_row_filter &f, int64_t rows)
-{
-    if (f.mode != MX_FP8_ROWS_SORTED)
-        return rows;
-    const int64_t tiled = static_cast<int64_t>(*f.num_tiles) * f.block_m;
-    return tiled < rows ? tiled : rows;
+    return f.mode != MX_FP8_ROWS_SORTED || f.sorted_ids[row] >= 0;
 }
 
 /* x[0..4) to float32: one 8-byte (16-bit T) or 16-byte (float) load; x is
@@ -208,7 +208,8 @@ __global__ void __launch_bounds__(kQuantThreads)
     if (gi >= groups)
         return;
     const int64_t c0 = gi * group, c1 = cols - c0 < group ? cols : c0 + group;
-    for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    const int64_t live = live_rows(f, rows);
+    for (int64_t row = blockIdx.y; row < live; row += gridDim.y) {
         if (!row_valid(f, row))
             continue;
         const T *xr = x + row * ldx;
@@ -297,7 +298,8 @@ __global__ void __launch_bounds__(kQuantThreads)
     mx_griddep_launch_dependents();
     constexpr int kStep = kVec4 ? 4 : 1;
     float m = 0.0f;
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t live = live_rows(f, rows);
+    for (int64_t row = blockIdx.x; row < live; row += gridDim.x) {
         if (!row_valid(f, row))
             continue;
         for (int64_t c = kStep * threadIdx.x; c < cols; c += kStep * kQuantThreads) {
@@ -370,7 +372,8 @@ __global__ void __launch_bounds__(kQuantThreads)
             }
         }
     } else { /* grid: x = rows (stride) */
-        for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        const int64_t live = live_rows(f, rows);
+        for (int64_t row = blockIdx.x; row < live; row += gridDim.x) {
             if (!row_valid(f, row))
                 continue;
             for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
