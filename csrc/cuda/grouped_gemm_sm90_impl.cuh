@@ -60,12 +60,13 @@
  * runs ahead across tile boundaries, so the loads of the next tile overlap
  * the epilogue of this one.
  * Epilogue (registers -> global, no shared memory): the rows' pair indices
- * and routing weights are loaded when the tile starts. wgmma's accumulator
- * layout gives each thread rows r, r+8 and column pairs (8i + 2q, +1); GEMM1
- * adds w13_bias, applies the activation and stores act dtype pairs (the
- * interleaved kind first swaps values with the neighbouring lane to form
- * pairs); GEMM2 adds w2_bias, multiplies by the routing weight and stores
- * float32 pairs into y[pair] (32-byte row segments). Padding rows (sorted id
+ * and routing weights are loaded when the tile starts (GEMM2: one unit
+ * ahead, sm90_unit). wgmma's accumulator layout gives each thread rows r,
+ * r+8 and column pairs (8i + 2q, +1); GEMM1 adds w13_bias, applies the
+ * activation and stores act dtype pairs (the interleaved kind first swaps
+ * values with the neighbouring lane to form pairs); GEMM2 adds w2_bias,
+ * multiplies by the routing weight and stores float32 quads into y[pair]
+ * (neighbouring lanes swap pairs; 32-byte row segments). Padding rows (sorted id
  * -1), columns past out_cols and the phantom tile of an odd tile count are
  * not stored.
  *
@@ -100,29 +101,100 @@ template <int G> __device__ __forceinline__ void sm90_unit_coords(int unit, int 
 
 /* Accumulator fragment of one thread (wgmma m64nN, f32): acc[4i + e] is row
  * r_lo + 8 * (e / 2), column 8i + 2q + (e % 2), q = lane % 4. */
-/* What the epilogue needs of the thread's two rows, loaded when the tile
- * starts so that the loads' latency hides behind the mainloop. */
+/* What the epilogue needs of the thread's two rows. */
 struct sm90_rows {
     int64_t s_lo;           /* sorted row of the thread's first row; the second is s_lo + 8 */
     int32_t pair_lo, pair_hi; /* pair index, -1 = padding */
     float w_lo, w_hi;       /* GEMM2 routing weights (1 when not scaling) */
 };
 
-template <int KIND>
-__device__ __forceinline__ sm90_rows sm90_load_rows(int64_t s_lo, const mx_gemm_args &g)
+/* One work unit as a math thread sees it. GEMM2 without block scales loads
+ * it in two steps, one unit ahead: sm90_unit_start (the sorted ids and the
+ * tile's expert) before the mainloop of the unit before it,
+ * sm90_unit_finish (what depends on those: routing weights, the expert's
+ * per-tensor FP8 scale) before that unit's epilogue, so no math warp waits
+ * on them. Loaded at the unit's own start (sm90_unit_now), that dependent
+ * pair of L2 round trips stalled every math warp once per tile: 14% of the
+ * warp samples of qwen3moe's FP8 GEMM2 at M = 4096, 5% of the bf16 one (ncu
+ * source sampling). Loading ahead made that GEMM2 14% faster at M = 16384
+ * (qwen3moe fp8_tensor, 794 -> 683 us) but GEMM1s slower (gpt-oss bf16 at
+ * M = 4096 +13%, qwen3moe fp8_tensor +3%), as was the block-scale GEMM2 in
+ * the two-step form even loading at its own start (DeepSeek-V3 +12%); those
+ * keep sm90_unit_now (H100, 2026-11-25,
+ * logs/2026-11-25-nvidia-h100-ab-unit-ahead.txt). */
+struct sm90_unit {
+    int nt, mt;       /* n tile, m tile */
+    bool real;        /* mt < num_tiles (false: the phantom tile of an odd count) */
+    int expert;       /* tile_expert[mt] (0 for a phantom tile) */
+    float scale;      /* per-tensor FP8: a_scale * w_scale[expert]; else 1 */
+    sm90_rows rows;
+};
+
+/* unit >= total (no unit): a phantom that loads nothing */
+template <int G>
+__device__ __forceinline__ sm90_unit sm90_unit_start(int unit, int total, int num_mu, int n_tiles, int cm,
+                                                     uint32_t rank, int num_m, int r_lo, const mx_gemm_args &g)
 {
-    sm90_rows r;
-    r.s_lo = s_lo;
-    r.pair_lo = g.sorted_ids[s_lo];
-    r.pair_hi = g.sorted_ids[s_lo + 8];
-    r.w_lo = r.w_hi = 1.0f;
+    sm90_unit u;
+    int mu = num_mu;
+    u.nt = 0;
+    if (unit < total)
+        sm90_unit_coords<G>(unit, num_mu, n_tiles, mu, u.nt);
+    u.mt = mu * cm + static_cast<int>(rank);
+    u.real = unit < total && u.mt < num_m;
+    u.expert = u.real ? g.tile_expert[u.mt] : 0;
+    u.scale = 1.0f;
+    u.rows.s_lo = static_cast<int64_t>(u.mt) * kSm90BlockM + r_lo;
+    u.rows.pair_lo = u.real ? g.sorted_ids[u.rows.s_lo] : -1;
+    u.rows.pair_hi = u.real ? g.sorted_ids[u.rows.s_lo + 8] : -1;
+    u.rows.w_lo = u.rows.w_hi = 1.0f;
+    return u;
+}
+
+template <int KIND, int QUANT>
+__device__ __forceinline__ void sm90_unit_finish(sm90_unit &u, const mx_gemm_args &g, const mx_sm90_scales &sc)
+{
+    if (!u.real)
+        return;
+    if (QUANT == MX_QUANT_FP8_TENSOR)
+        u.scale = sc.a_scale[0] * sc.w_scale[u.expert];
     if (KIND == MX_GEMM_DOWN && g.scale_by_weight) {
-        if (r.pair_lo >= 0)
-            r.w_lo = g.topk_weights[r.pair_lo];
-        if (r.pair_hi >= 0)
-            r.w_hi = g.topk_weights[r.pair_hi];
+        if (u.rows.pair_lo >= 0)
+            u.rows.w_lo = g.topk_weights[u.rows.pair_lo];
+        if (u.rows.pair_hi >= 0)
+            u.rows.w_hi = g.topk_weights[u.rows.pair_hi];
     }
-    return r;
+}
+
+/* The unit loaded at its own start: the kinds that do not load ahead. */
+template <int G, int KIND, int QUANT>
+__device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_tiles, int cm, uint32_t rank,
+                                                   int num_m, int r_lo, const mx_gemm_args &g,
+                                                   const mx_sm90_scales &sc)
+{
+    sm90_unit u;
+    int mu;
+    sm90_unit_coords<G>(unit, num_mu, n_tiles, mu, u.nt);
+    u.mt = mu * cm + static_cast<int>(rank);
+    u.real = u.mt < num_m;
+    u.expert = 0;
+    u.scale = 1.0f;
+    if (u.real) {
+        u.rows.s_lo = static_cast<int64_t>(u.mt) * kSm90BlockM + r_lo;
+        u.rows.pair_lo = g.sorted_ids[u.rows.s_lo];
+        u.rows.pair_hi = g.sorted_ids[u.rows.s_lo + 8];
+        u.rows.w_lo = u.rows.w_hi = 1.0f;
+        if (KIND == MX_GEMM_DOWN && g.scale_by_weight) {
+            if (u.rows.pair_lo >= 0)
+                u.rows.w_lo = g.topk_weights[u.rows.pair_lo];
+            if (u.rows.pair_hi >= 0)
+                u.rows.w_hi = g.topk_weights[u.rows.pair_hi];
+        }
+        u.expert = g.tile_expert[u.mt];
+        if (QUANT == MX_QUANT_FP8_TENSOR)
+            u.scale = sc.a_scale[0] * sc.w_scale[u.expert];
+    }
+    return u;
 }
 
 /* The bias pairs (bias[c], bias[c + 1]) of a thread's N epilogue columns c = first + i * step
@@ -147,16 +219,23 @@ __device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t firs
 }
 
 /* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
- * (sc: the per-tensor FP8 scales, else 1). */
+ * (sc: the per-tensor FP8 scales, else 1). Stores are 16 bytes: lanes q and
+ * q ^ 1 swap a pair, so that the even lane holds 4 columns of row lo and the
+ * odd lane the same 4 of row hi (out_cols is a multiple of 8: the launcher's
+ * TMA rule for n_rows, so a quad's 8 columns are all in or all out). Half
+ * the store instructions of 8-byte stores: qwen3moe fp8_tensor GEMM2 at
+ * M = 4096 227 -> 221 us, bf16 1-3% (H100, logs/2026-11-25-nvidia-h100-ab-unit-ahead.txt). */
 template <typename T, typename Shape>
 __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
                                                 int nt, int expert, const mx_gemm_args &g, float sc)
 {
     constexpr int BN = Shape::kBlockN;
     const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
-    float *y_lo = static_cast<float *>(g.out) + static_cast<int64_t>(rows.pair_lo) * g.ldo;
-    float *y_hi = static_cast<float *>(g.out) + static_cast<int64_t>(rows.pair_hi) * g.ldo;
+    const bool even = (q & 1) == 0;
+    const int32_t pair = even ? rows.pair_lo : rows.pair_hi;
+    float *y_row = static_cast<float *>(g.out) + static_cast<int64_t>(pair) * g.ldo;
     const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * q;
+    const int64_t store_col0 = static_cast<int64_t>(nt) * BN + 2 * (q & ~1);
     /* bias pairs by chunks of 8 columns: all BN / 8 at once would spill (128 accumulators live) */
     constexpr int CHUNK = 8;
     uint32_t bias_pairs[CHUNK];
@@ -164,16 +243,16 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
     for (int i = 0; i < BN / 8; ++i) {
         if (i % CHUNK == 0)
             sm90_load_bias_pairs(bias, col0 + 8 * i, 8, g.out_cols, bias_pairs);
-        const int64_t col = col0 + 8 * i;
-        if (col >= g.out_cols)
+        if (col0 - 2 * q + 8 * i >= g.out_cols) /* the same for the whole warp */
             continue;
         const float2 b = mx_unpack2<T>(bias_pairs[i % CHUNK]);
-        if (rows.pair_lo >= 0)
-            *reinterpret_cast<float2 *>(y_lo + col) =
-                make_float2((acc[4 * i] * sc + b.x) * rows.w_lo, (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
-        if (rows.pair_hi >= 0)
-            *reinterpret_cast<float2 *>(y_hi + col) =
-                make_float2((acc[4 * i + 2] * sc + b.x) * rows.w_hi, (acc[4 * i + 3] * sc + b.y) * rows.w_hi);
+        const float2 lo = make_float2((acc[4 * i] * sc + b.x) * rows.w_lo, (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
+        const float2 hi = make_float2((acc[4 * i + 2] * sc + b.x) * rows.w_hi, (acc[4 * i + 3] * sc + b.y) * rows.w_hi);
+        const float2 give = even ? hi : lo;
+        const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, give.x, 1), __shfl_xor_sync(0xffffffffu, give.y, 1));
+        if (pair >= 0)
+            *reinterpret_cast<float4 *>(y_row + store_col0 + 8 * i) =
+                even ? make_float4(lo.x, lo.y, got.x, got.y) : make_float4(got.x, got.y, hi.x, hi.y);
     }
 }
 
@@ -498,33 +577,33 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         for (int i = 0; i < BN / 2; ++i)
             acc[i] = 0.0f;
         uint32_t it = 0;
+        /* GEMM2 loads the next unit ahead (sm90_unit) */
+        constexpr bool kAhead = KIND == MX_GEMM_DOWN && !kBlockScales;
+        sm90_unit next = sm90_unit_start<Shape::kGroupM>(kAhead ? cluster : total, total, num_mu, n_tiles, CM, rank,
+                                                         num_m, r_lo, g);
+        sm90_unit_finish<KIND, QUANT>(next, g, sc);
         for (int unit = cluster; unit < total; unit += clusters) {
-            int mu, nt;
-            sm90_unit_coords<Shape::kGroupM>(unit, num_mu, n_tiles, mu, nt);
-            const int mt = mu * CM + static_cast<int>(rank);
-            const bool real = mt < num_m;
-            sm90_rows rows;
-            int expert = 0;
-            float tile_scale = 1.0f;
+            const sm90_unit cur =
+                kAhead ? next
+                       : sm90_unit_now<Shape::kGroupM, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
+            const bool more = kAhead && unit + clusters < total;
+            if (more)
+                next = sm90_unit_start<Shape::kGroupM>(unit + clusters, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            const int nt = cur.nt, mt = cur.mt, expert = cur.expert;
+            const sm90_rows &rows = cur.rows;
             /* block scales of the thread's rows and of the tile's weight boxes */
             const float *sa_lo = nullptr, *sa_hi = nullptr, *sw0 = nullptr, *sw1 = nullptr;
-            if (real) {
-                rows = sm90_load_rows<KIND>(static_cast<int64_t>(mt) * BM + r_lo, g);
-                expert = g.tile_expert[mt];
-                if (QUANT == MX_QUANT_FP8_TENSOR)
-                    tile_scale = sc.a_scale[0] * sc.w_scale[expert];
-                if (kBlockScales) {
-                    const bool down = KIND == MX_GEMM_DOWN;
-                    if (rows.pair_lo >= 0)
-                        sa_lo = sc.a_scale + (down ? rows.s_lo : rows.pair_lo / g.top_k) * sc.a_ld;
-                    if (rows.pair_hi >= 0)
-                        sa_hi = sc.a_scale + (down ? rows.s_lo + 8 : rows.pair_hi / g.top_k) * sc.a_ld;
-                    const int64_t c = kGated ? static_cast<int64_t>(nt) * (BN / 2) : static_cast<int64_t>(nt) * BN;
-                    const int64_t b0 = c / 128, b1 = (kGated ? g.out_cols + c : c + BN / 2) / 128;
-                    const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
-                    sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld; /* boxes past n_rows read zeros */
-                    sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
-                }
+            if (kBlockScales && cur.real) {
+                const bool down = KIND == MX_GEMM_DOWN;
+                if (rows.pair_lo >= 0)
+                    sa_lo = sc.a_scale + (down ? rows.s_lo : rows.pair_lo / g.top_k) * sc.a_ld;
+                if (rows.pair_hi >= 0)
+                    sa_hi = sc.a_scale + (down ? rows.s_lo + 8 : rows.pair_hi / g.top_k) * sc.a_ld;
+                const int64_t c = kGated ? static_cast<int64_t>(nt) * (BN / 2) : static_cast<int64_t>(nt) * BN;
+                const int64_t b0 = c / 128, b1 = (kGated ? g.out_cols + c : c + BN / 2) / 128;
+                const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
+                sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld; /* boxes past n_rows read zeros */
+                sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
             }
             if constexpr (kBlockScales) {
                 /* two sets of products: k block kb + 1's wgmmas are issued before
@@ -631,7 +710,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 fence_acc(acc);
                 release(prev);
             }
-            if (real) {
+            if (more)
+                sm90_unit_finish<KIND, QUANT>(next, g, sc);
+            if (cur.real) {
                 constexpr int kBoxes = BN / 128; /* staging boxes per warpgroup */
                 const sm90_out_stage stage = {out_boxes + wg * kBoxes * Shape::kOutBoxBytes, r_lo - wg * 64};
                 if constexpr (sm90_staged_out<KIND>()) {
@@ -640,7 +721,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         bulk_wait_read<0>();
                     named_barrier_sync(1 + wg, 128);
                 }
-                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, tile_scale, sc.amax, stage);
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, cur.scale, sc.amax, stage);
                 if constexpr (sm90_staged_out<KIND>()) {
                     fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
                     named_barrier_sync(1 + wg, 128);
