@@ -28,10 +28,11 @@
  * wgmmas on it have retired (wait_group 0, then a CTA barrier). Launched
  * dependent: its first kStages weight loads go out before it waits for the
  * kernel ahead (whose output is only A; the tile table is older).
- * Epilogue straight from the accumulators: a thread holds weight rows r,
- * r + 8 (r = 16 warp + lane / 4) of both boxes for tokens 8i + 2q + e
- * (q = lane % 4, e = 0, 1) and stores float32 (acc * scale + bias on split
- * 0) * routing weight into its split-K slice of y.
+ * Epilogue straight from the accumulators, with the unit's pairs, routing
+ * weights and scale loaded one unit ahead (unit_rows): a thread holds
+ * weight rows r, r + 8 (r = 16 warp + lane / 4) of both boxes for tokens
+ * 8i + 2q + e (q = lane % 4, e = 0, 1) and stores float32 (acc * scale +
+ * bias on split 0) * routing weight into its split-K slice of y.
  *
  * The launcher guarantees what the decode kernel's does (tile tables with
  * block_m = kBlockT, TMA preconditions, k splits of whole k blocks). */
@@ -156,16 +157,63 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
 
     const int r = warp * 16 + lane / 4; /* the thread's first weight row of each box */
-    int step = 0;
-    for (int unit = first; unit < units; unit += stride) {
-        const unit_place d = unit_at(unit);
-        const int64_t a_row = static_cast<int64_t>(d.mt) * BT;
-        /* the thread's tokens: slot j is row 8 (j / 2) + 2q + j % 2 of the
-         * tile; its pair, -1 for padding */
+    /* The thread's tokens of a unit: slot j is row 8 (j / 2) + 2q + j % 2 of
+     * the tile; its pair (-1 for padding), routing weight, and the unit's
+     * per-tensor scale. Loaded one unit ahead, in two steps: the pairs when
+     * the unit before starts, what depends on them once its k blocks are
+     * issued (unit_rows_finish). Loaded where they were used (pairs at the
+     * unit's start, weights and scale in the epilogue, each weight load
+     * behind the stores before it), they held over half of the warp samples
+     * (ncu source sampling, qwen3moe fp8_tensor M = 512). Ahead, with the
+     * block scales one k block ahead too: this GEMM2 at qwen3moe M = 512
+     * 105 -> 88 us (fp8_tensor), 111 -> 97 us (fp8_block), M = 128 72 -> 69
+     * us; M = 1 unchanged (H100, 2026-11-25,
+     * logs/2026-11-25-nvidia-h100-ab-decode-down-ahead.txt). */
+    struct unit_rows {
         int32_t pair[NTOK];
+        float weight[NTOK];
+        float scale;
+    };
+    auto unit_rows_start = [&](const unit_place &d, unit_rows &u) {
 #pragma unroll
         for (int j = 0; j < NTOK; ++j)
-            pair[j] = g.sorted_ids[a_row + 8 * (j / 2) + 2 * q + (j % 2)];
+            u.pair[j] = g.sorted_ids[static_cast<int64_t>(d.mt) * BT + 8 * (j / 2) + 2 * q + (j % 2)];
+    };
+    auto unit_rows_finish = [&](const unit_place &d, unit_rows &u) {
+#pragma unroll
+        for (int j = 0; j < NTOK; ++j)
+            u.weight[j] = g.scale_by_weight && u.pair[j] >= 0 ? g.topk_weights[u.pair[j]] : 1.0f;
+        u.scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[d.expert] : 1.0f;
+    };
+    /* block scales of k block kb: the thread's tokens' (a_s) and the weight boxes' */
+    struct k_scales {
+        float a_s[NTOK], w0, w1;
+    };
+    auto k_scales_at = [&](const unit_place &d, const unit_rows &u, const float *sw0, const float *sw1, int kb) {
+        k_scales ks;
+#pragma unroll
+        for (int j = 0; j < NTOK; ++j)
+            ks.a_s[j] = !kBlockScales || u.pair[j] < 0
+                            ? (kBlockScales ? 0.0f : 1.0f)
+                            : sc.a_scale[(static_cast<int64_t>(d.mt) * BT + 8 * (j / 2) + 2 * q + (j % 2)) * sc.a_ld + kb];
+        ks.w0 = kBlockScales ? sw0[kb] : 1.0f;
+        ks.w1 = kBlockScales ? sw1[kb] : 1.0f;
+        return ks;
+    };
+
+    unit_place next = unit_at(first);
+    unit_rows next_rows;
+    unit_rows_start(next, next_rows);
+    unit_rows_finish(next, next_rows);
+    int step = 0;
+    for (int unit = first; unit < units; unit += stride) {
+        const unit_place d = next;
+        const unit_rows cur = next_rows;
+        const bool more = unit + stride < units;
+        if (more) {
+            next = unit_at(unit + stride);
+            unit_rows_start(next, next_rows);
+        }
         const float *sw0 = nullptr, *sw1 = nullptr;
         if (kBlockScales) {
             const float *we = sc.w_scale + static_cast<int64_t>(d.expert) * sc.w_rows * sc.w_ld;
@@ -178,20 +226,16 @@ __global__ void __launch_bounds__(Shape::kThreads)
 #pragma unroll
         for (int i = 0; i < NACC; ++i)
             acc0[i] = acc1[i] = 0.0f;
+        /* block scales one k block ahead of the wgmmas that need them */
+        k_scales ks = k_scales_at(d, cur, sw0, sw1, d.kb0);
         for (int kb = d.kb0; kb < d.kb1; ++kb, ++step) {
             const int s = step % STAGES;
+            const k_scales ks_now = ks;
+            if (kBlockScales && kb + 1 < d.kb1)
+                ks = k_scales_at(d, cur, sw0, sw1, kb + 1);
             mbar_wait(full_bar(s), static_cast<uint32_t>(step / STAGES) & 1u);
-            float a_s[NTOK], w0 = 1.0f, w1 = 1.0f;
-#pragma unroll
-            for (int j = 0; j < NTOK; ++j)
-                a_s[j] = !kBlockScales ? 1.0f
-                         : pair[j] < 0 ? 0.0f
-                                       : sc.a_scale[(a_row + 8 * (j / 2) + 2 * q + (j % 2)) * sc.a_ld + kb];
-            if (kBlockScales) {
-                w0 = sw0[kb];
-                w1 = sw1[kb];
-            }
-            decode_fp8_k_block<BT>(acc0, acc1, slot_at(s), slot_at(s) + W_BYTES, BOX_BYTES, a_s, w0, w1);
+            decode_fp8_k_block<BT>(acc0, acc1, slot_at(s), slot_at(s) + W_BYTES, BOX_BYTES, ks_now.a_s, ks_now.w0,
+                                   ks_now.w1);
             __syncthreads(); /* every warp's wgmmas on slot s have retired */
             if (tid == 0 && p_unit < units) { /* the next stage into the slot just left */
                 issue_w();
@@ -199,10 +243,11 @@ __global__ void __launch_bounds__(Shape::kThreads)
                 p_advance();
             }
         }
+        if (more)
+            unit_rows_finish(next, next_rows);
 
         /* epilogue: weight row h of box b is row0 + 64 b + r + 8h; the
          * accumulator of token slot j is e = 4 (j / 2) + 2h + j % 2 */
-        const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[d.expert] : 1.0f;
         const T *bias = g.bias && d.split == 0 ? static_cast<const T *>(g.bias) + static_cast<int64_t>(d.expert) * g.n_rows
                                                : nullptr;
         float bias0[2], bias1[2];
@@ -215,18 +260,18 @@ __global__ void __launch_bounds__(Shape::kThreads)
         float *y = static_cast<float *>(g.out) + d.split * g.out_split_stride;
 #pragma unroll
         for (int j = 0; j < NTOK; ++j) {
-            if (pair[j] < 0)
+            if (cur.pair[j] < 0)
                 continue;
-            const float w = g.scale_by_weight ? g.topk_weights[pair[j]] : 1.0f;
-            float *out = y + static_cast<int64_t>(pair[j]) * g.ldo;
+            const float w = cur.weight[j];
+            float *out = y + static_cast<int64_t>(cur.pair[j]) * g.ldo;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int e = 4 * (j / 2) + 2 * h + (j % 2);
                 const int64_t col = d.row0 + r + 8 * h;
                 if (col < g.out_cols)
-                    out[col] = (acc0[e] * scale + bias0[h]) * w;
+                    out[col] = (acc0[e] * cur.scale + bias0[h]) * w;
                 if (col + 64 < g.out_cols)
-                    out[col + 64] = (acc1[e] * scale + bias1[h]) * w;
+                    out[col + 64] = (acc1[e] * cur.scale + bias1[h]) * w;
             }
         }
     }
