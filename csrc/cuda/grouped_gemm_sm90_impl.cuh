@@ -116,8 +116,8 @@ struct sm90_rows {
  * on them. Loaded at the unit's own start (sm90_unit_now), that dependent
  * pair of L2 round trips stalled every math warp once per tile: 14% of the
  * warp samples of qwen3moe's FP8 GEMM2 at M = 4096, 5% of the bf16 one (ncu
- * source sampling). Loading ahead made that GEMM2 14% faster at M = 16384
- * (qwen3moe fp8_tensor, 794 -> 683 us) but GEMM1s slower (gpt-oss bf16 at
+ * source sampling). Loading ahead made that GEMM2 12% faster at M = 16384
+ * (qwen3moe fp8_tensor, 789 -> 694 us) but GEMM1s slower (gpt-oss bf16 at
  * M = 4096 +13%, qwen3moe fp8_tensor +3%), as was the block-scale GEMM2 in
  * the two-step form even loading at its own start (DeepSeek-V3 +12%); those
  * keep sm90_unit_now (H100, 2026-11-25,
