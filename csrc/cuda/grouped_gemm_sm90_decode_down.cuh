@@ -157,6 +157,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
 
     const int r = warp * 16 + lane / 4; /* the thread's first weight row of each box */
+    /* the sorted row of the thread's token slot j in unit d's tile */
+    auto token_row = [&](const unit_place &d, int j) {
+        return static_cast<int64_t>(d.mt) * BT + 8 * (j / 2) + 2 * q + (j % 2);
+    };
     /* The thread's tokens of a unit: slot j is row 8 (j / 2) + 2q + j % 2 of
      * the tile; its pair (-1 for padding), routing weight, and the unit's
      * per-tensor scale. Loaded one unit ahead, in two steps: the pairs when
@@ -177,7 +181,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     auto unit_rows_start = [&](const unit_place &d, unit_rows &u) {
 #pragma unroll
         for (int j = 0; j < NTOK; ++j)
-            u.pair[j] = g.sorted_ids[static_cast<int64_t>(d.mt) * BT + 8 * (j / 2) + 2 * q + (j % 2)];
+            u.pair[j] = g.sorted_ids[token_row(d, j)];
     };
     auto unit_rows_finish = [&](const unit_place &d, unit_rows &u) {
 #pragma unroll
@@ -193,9 +197,9 @@ __global__ void __launch_bounds__(Shape::kThreads)
         k_scales ks;
 #pragma unroll
         for (int j = 0; j < NTOK; ++j)
-            ks.a_s[j] = !kBlockScales || u.pair[j] < 0
-                            ? (kBlockScales ? 0.0f : 1.0f)
-                            : sc.a_scale[(static_cast<int64_t>(d.mt) * BT + 8 * (j / 2) + 2 * q + (j % 2)) * sc.a_ld + kb];
+            ks.a_s[j] = !kBlockScales     ? 1.0f
+                        : u.pair[j] < 0 ? 0.0f
+                                        : sc.a_scale[token_row(d, j) * sc.a_ld + kb];
         ks.w0 = kBlockScales ? sw0[kb] : 1.0f;
         ks.w1 = kBlockScales ? sw1[kb] : 1.0f;
         return ks;

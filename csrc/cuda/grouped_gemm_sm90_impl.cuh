@@ -166,7 +166,10 @@ __device__ __forceinline__ void sm90_unit_finish(sm90_unit &u, const mx_gemm_arg
     }
 }
 
-/* The unit loaded at its own start: the kinds that do not load ahead. */
+/* The unit loaded at its own start: the kinds that do not load ahead. The
+ * same loads as sm90_unit_start + sm90_unit_finish, kept as the form those
+ * kinds were measured with: composed from the two steps, their SASS differs
+ * (reordered and dropped moves; cuobjdump, 2026-11-25), not yet timed. */
 template <int G, int KIND, int QUANT>
 __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_tiles, int cm, uint32_t rank,
                                                    int num_m, int r_lo, const mx_gemm_args &g,
@@ -234,16 +237,17 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
     const bool even = (q & 1) == 0;
     const int32_t pair = even ? rows.pair_lo : rows.pair_hi;
     float *y_row = static_cast<float *>(g.out) + static_cast<int64_t>(pair) * g.ldo;
-    const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * q;
-    const int64_t store_col0 = static_cast<int64_t>(nt) * BN + 2 * (q & ~1);
+    /* column group i: the quad's columns tile_col + 8i + [0, 8); the thread's
+     * pair at + 2q, its 16-byte store at + 2 (q & ~1) */
+    const int64_t tile_col = static_cast<int64_t>(nt) * BN;
     /* bias pairs by chunks of 8 columns: all BN / 8 at once would spill (128 accumulators live) */
     constexpr int CHUNK = 8;
     uint32_t bias_pairs[CHUNK];
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
         if (i % CHUNK == 0)
-            sm90_load_bias_pairs(bias, col0 + 8 * i, 8, g.out_cols, bias_pairs);
-        if (col0 - 2 * q + 8 * i >= g.out_cols) /* the same for the whole warp */
+            sm90_load_bias_pairs(bias, tile_col + 2 * q + 8 * i, 8, g.out_cols, bias_pairs);
+        if (tile_col + 8 * i >= g.out_cols) /* the same for the whole warp */
             continue;
         const float2 b = mx_unpack2<T>(bias_pairs[i % CHUNK]);
         const float2 lo = make_float2((acc[4 * i] * sc + b.x) * rows.w_lo, (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
@@ -251,7 +255,7 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
         const float2 give = even ? hi : lo;
         const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, give.x, 1), __shfl_xor_sync(0xffffffffu, give.y, 1));
         if (pair >= 0)
-            *reinterpret_cast<float4 *>(y_row + store_col0 + 8 * i) =
+            *reinterpret_cast<float4 *>(y_row + tile_col + 8 * i + 2 * (q & ~1)) =
                 even ? make_float4(lo.x, lo.y, got.x, got.y) : make_float4(got.x, got.y, hi.x, hi.y);
     }
 }
