@@ -99,6 +99,9 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
             assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
             assert not any(GATHER_KERNEL in n for n in names), names
+            # block scales: GEMM1's epilogue quantizes act, so the only group quantizer is x's
+            quantizers = [n for n in names if "group_quant" in n]
+            assert len(quantizers) == (1 if method == "block" else 0), names
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -133,15 +133,20 @@ __device__ __forceinline__ void mx_griddep_launch_dependents()
 #endif
 }
 
-/* Launches kernel(args...) with programmatic stream serialization (callers
- * use it on Hopper only: mx_cuda_sm90_gemm_available()). */
+/* Launches kernel(args...) with programmatic stream serialization, in
+ * clusters of cluster_x CTAs along x (grid.x a multiple of it; 1: no
+ * clusters). Callers use it on Hopper only: mx_cuda_sm90_gemm_available(). */
 template <typename... Params, typename... Args>
-cudaError_t mx_launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                Args &&...args)
+cudaError_t mx_launch_dependent_clusters(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
+                                         size_t smem, cudaStream_t stream, Args &&...args)
 {
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = cluster_x;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.gridDim = grid;
@@ -149,8 +154,16 @@ cudaError_t mx_launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = cluster_x > 1 ? 2 : 1;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+/* The same without clusters. */
+template <typename... Params, typename... Args>
+cudaError_t mx_launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                Args &&...args)
+{
+    return mx_launch_dependent_clusters(1u, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 /* probe(device) for the current device, asked once per device and kept in

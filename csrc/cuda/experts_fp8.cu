@@ -24,7 +24,9 @@
  *                               rounded to the act dtype; TENSOR: atomic amax of act
  *   5. act -> act_q             TENSOR: rows_quant_tensor_kernel with the scale
  *                               from act_amax; BLOCK: group_quant_kernel
- *                               (act_scale [rows, I/128]); valid sorted rows only
+ *                               (act_scale [rows, I/128]); valid sorted rows only.
+ *                               BLOCK on the Hopper decode kernel: no launch,
+ *                               GEMM1's epilogue quantizes act the same way
  *   6. GEMM2 (fp8)              y[pair] = (act_q @ w2[e].T * scales + b2) * w, float32
  *                               (split-K slices at decode)
  *   7. moe_sum_kernel           out[t] = sum_j y[t, j], rounded once
@@ -230,6 +232,15 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
                                  : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                      : MX_GEMM_GATE_UP;
     const bool sm90 = mx_fp8_tile_is_sm90(plan.tile_config);
+    /* the Hopper decode kernel quantizes act per 128 columns in GEMM1's
+     * epilogue (no act round trip, one launch less) */
+    const bool act_in_gemm1 = block && sm90 && mx_tile_is_sm90_decode(plan.tile_config);
+    if (act_in_gemm1) {
+        g1.act_q = act_q;
+        g1.act_q_ld = plan.ld_aq;
+        g1.act_q_scale = act_scale;
+        g1.act_q_scale_ld = plan.act_blocks;
+    }
     /* right after the x quantizer: the decode kernel reads the tile table
      * before waiting for the kernel ahead (grouped_gemm_sm90_decode.cuh) */
     st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g1, kind1, p->quant, plan.tile_config, p->num_local_experts, x_q_sorted,
@@ -238,22 +249,26 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     if (st.code != MX_OK)
         return st;
 
-    mx_fp8_row_filter sorted;
-    memset(&sorted, 0, sizeof sorted);
-    sorted.mode = MX_FP8_ROWS_SORTED;
-    sorted.sorted_ids = sorted_ids;
-    sorted.num_tiles = num_tiles;
-    sorted.block_m = plan.block_m;
-    if (block)
-        st = mx_cuda_fp8_rows_quant_group(act, p->act_dtype, plan.rows_max, I, plan.ld_act, kFp8Block, &sorted, act_q,
-                                          plan.ld_aq, act_scale, plan.act_blocks, stream);
-    else
-        st = mx_cuda_fp8_rows_quant_tensor(act, p->act_dtype, plan.rows_max, I, plan.ld_act, &sorted, nullptr,
-                                           act_amax, act_q, plan.ld_aq, act_tensor_scale, stream);
-    if (st.code != MX_OK)
-        return st;
+    if (!act_in_gemm1) {
+        mx_fp8_row_filter sorted;
+        memset(&sorted, 0, sizeof sorted);
+        sorted.mode = MX_FP8_ROWS_SORTED;
+        sorted.sorted_ids = sorted_ids;
+        sorted.num_tiles = num_tiles;
+        sorted.block_m = plan.block_m;
+        if (block)
+            st = mx_cuda_fp8_rows_quant_group(act, p->act_dtype, plan.rows_max, I, plan.ld_act, kFp8Block, &sorted,
+                                              act_q, plan.ld_aq, act_scale, plan.act_blocks, stream);
+        else
+            st = mx_cuda_fp8_rows_quant_tensor(act, p->act_dtype, plan.rows_max, I, plan.ld_act, &sorted, nullptr,
+                                               act_amax, act_q, plan.ld_aq, act_tensor_scale, stream);
+        if (st.code != MX_OK)
+            return st;
+    }
 
     mx_fp8_gemm_args g2 = g1;
+    g2.act_q = nullptr;
+    g2.act_q_scale = nullptr;
     g2.a = act_q;
     g2.lda = plan.ld_aq;
     g2.a_scale = block ? act_scale : act_tensor_scale;

@@ -63,6 +63,14 @@ __device__ __forceinline__ float mx_fp8_div(float x, float s, float r)
     return __fmaf_rn(-r, __fmaf_rn(q0, s, -x), q0);
 }
 
+/* fp8(clamp(x / s)) for a group scale s: mx_fp8_div with r =
+ * mx_fp8_div_recip(s) while s is finite, else __fdiv_rn (an infinite or NaN
+ * amax, which mx_fp8_div's preconditions leave out) */
+__device__ __forceinline__ uint8_t mx_fp8_encode_divided(float x, float s, float r)
+{
+    return mx_fp8_encode(isfinite(s) ? mx_fp8_div(x, s, r) : __fdiv_rn(x, s));
+}
+
 /* max(a, b) that returns NaN when either is NaN (fmaxf would drop it);
  * equal to fmaxf otherwise. On sm_80 and later one max.NaN instruction (a
  * NaN comes out as the canonical NaN; callers pass amaxes and scales, never
@@ -170,6 +178,12 @@ typedef struct mx_fp8_gemm_args {
     int64_t ldo;
     int vec_out;                /* 1: out rows and base allow 4-element vector stores */
     uint32_t *amax;             /* GEMM1 with TENSOR: atomicMax of |act| float bits (reset earlier in the stream) */
+    uint8_t *act_q;             /* GEMM1 with BLOCK on a Hopper decode config: act quantized in the epilogue
+                                   (fp8 [rows_max, act_q_ld], group scales act_q_scale [rows_max,
+                                   act_q_scale_ld]) instead of stored to out; required there, else unused */
+    int64_t act_q_ld;
+    float *act_q_scale;
+    int64_t act_q_scale_ld;
     int m_tile_base;            /* set by the launcher */
     int k_splits;               /* GEMM2 split-K (grid z) */
     int64_t k_split_len;        /* multiple of 128, >= k when k_splits == 1 */

@@ -104,14 +104,6 @@ __device__ __forceinline__ uint32_t encode4_scaled(const float (&v)[4], float in
     return encode4(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv), __fmul_rn(v[2], inv), __fmul_rn(v[3], inv));
 }
 
-/* fp8(clamp(x / s)) for a group scale s: mx_fp8_div with r =
- * mx_fp8_div_recip(s) while s is finite, else __fdiv_rn (an infinite or NaN
- * amax, which mx_fp8_div's preconditions leave out) */
-__device__ __forceinline__ uint8_t encode_divided(float x, float s, float r)
-{
-    return mx_fp8_encode(isfinite(s) ? mx_fp8_div(x, s, r) : __fdiv_rn(x, s));
-}
-
 /* the same for four values, packed as store4 takes them; one branch on s */
 __device__ __forceinline__ uint32_t encode4_divided(const float (&v)[4], float s)
 {
@@ -220,7 +212,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         const float s = mx_fp8_group_scale(mx_warp_max(m));
         const float r = mx_fp8_div_recip(s);
         for (int64_t c = c0 + lane; c < c1; c += 32)
-            qr[c] = encode_divided(mx_to_float(xr[c]), s, r);
+            qr[c] = mx_fp8_encode_divided(mx_to_float(xr[c]), s, r);
         if (gi == groups - 1)
             for (int64_t c = cols + lane; c < ldq; c += 32)
                 qr[c] = 0;

@@ -78,6 +78,10 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     sc.w_rows = mx_ceil_div(f->n_rows, kFp8Block);
     sc.w_ld = mx_ceil_div(f->k, kFp8Block);
     sc.amax = f->amax;
+    sc.act_q = f->act_q;
+    sc.act_q_ld = f->act_q_ld;
+    sc.act_q_scale = f->act_q_scale;
+    sc.act_q_scale_ld = f->act_q_scale_ld;
     if (decode)
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
                                                 m_tiles, stream);

@@ -53,7 +53,13 @@
  * outputs column-fastest: GEMM1 kinds apply scale, bias and activation and
  * store act in T (per-tensor FP8 also the warp's atomic amax); GEMM2 stores
  * float32 (acc * scale + bias on split 0) * routing weight into its split-K
- * slice of y.
+ * slice of y. Block-scaled FP8 GEMM1 stores act quantized instead (sc.act_q,
+ * the group quantizer's bits: values rounded to T, scale max(amax, 1e-10) /
+ * 448 per token and 128 columns): each token row's maxima go to shared
+ * memory, and a tile of 64 act columns runs in a 2-CTA cluster with its
+ * group's other tile, the two exchanging their maxima through distributed
+ * shared memory before a cluster barrier. That saves the act quantizer's
+ * launch (~3-4 us at M = 1) and act's round trip.
  *
  * The launcher guarantees: tile tables from moe_align with block_m =
  * kBlockT; TMA preconditions (16-byte row strides and bases); block scales
@@ -127,6 +133,12 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
     constexpr bool kRowsFromX = decode_rows_from_x(KIND);
     constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
+    constexpr int NCOL = KIND == MX_GEMM_UP ? 128 : 64;           /* GEMM1: act columns of a tile */
+    /* BLOCK GEMM1 quantizes act in its epilogue (per token and 128 columns);
+     * tiles of 64 act columns run in clusters of two (rank = n tile parity),
+     * which reduce each group's amax over both tiles */
+    constexpr bool kQuantAct = kBlockScales && kRowsFromX;
+    constexpr bool kPairQuant = kQuantAct && NCOL == 64;
     /* launched dependent (common.cuh): GEMM2, LINEAR and FP8 GEMM1 (after
      * the x quantizer) know their weight tiles before the previous kernel
      * ends (the tile table is older); 16-bit GEMM1 reads the tile table the
@@ -143,8 +155,16 @@ __global__ void __launch_bounds__(Shape::kThreads)
     const int mt = in_chunk / per_mt;
     const int nt = chunk * kDecodeGroupN + (in_chunk % per_mt) / splits;
     const int split = in_chunk % splits;
-    if (nt >= n_tiles || (!kLinear && mt >= *g.num_tiles))
-        return; /* the grid covers the worst case and whole chunks (an early exit writes nothing) */
+    /* the grid covers the worst case and whole chunks (an early exit writes
+     * nothing); with paired quantization a tile past n_tiles whose partner
+     * holds the last group's only tile meets it at the cluster barrier */
+    const bool past = nt >= n_tiles, partner = kPairQuant && (nt ^ 1) < n_tiles;
+    if ((past && !partner) || (!kLinear && mt >= *g.num_tiles))
+        return;
+    if (kPairQuant && past) {
+        cluster_sync();
+        return;
+    }
     const int expert = kLinear ? 0 : g.tile_expert[mt];
     const int k_blocks = static_cast<int>((g.k + BK - 1) / BK);
     const int kb0 = split * kb_per_split;
@@ -162,6 +182,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
     __shared__ int32_t tile_pair[BT];
     __shared__ float tile_weight[BT];
     __shared__ const unsigned char *tile_row[BT]; /* GEMM1: the token's x row, nullptr for padding */
+    /* kQuantAct: the token rows' partial maxima as float bits [rank][warp of the row][token slot],
+     * then each row's group scale and its reciprocal */
+    __shared__ uint32_t tile_amax[kQuantAct ? 2 * (NCOL / 32) * BT : 1];
+    __shared__ float tile_scale[kQuantAct ? BT : 1], tile_recip[kQuantAct ? BT : 1];
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, q = lane % 4;
     if (tid == 0) {
@@ -341,29 +365,60 @@ __global__ void __launch_bounds__(Shape::kThreads)
             out[(a_row + t) * g.ldo + col] = mx_from_float<T>(dtile[j * LDD + t] * scale + b);
         }
     } else {
+        /* act column j of token slot t, with scale, bias and activation */
+        auto act_value = [&](int t, int j, int64_t col) {
+            if (KIND == MX_GEMM_GATE_UP) {
+                const float bg = bias ? mx_to_float(bias[col]) : 0.0f, bu = bias ? mx_to_float(bias[oc + col]) : 0.0f;
+                return mx_act_gated(g.activation, dtile[j * LDD + t] * scale + bg,
+                                    dtile[(64 + j) * LDD + t] * scale + bu, alpha, limit);
+            }
+            if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
+                const float bg = bias ? mx_to_float(bias[2 * col]) : 0.0f, bu = bias ? mx_to_float(bias[2 * col + 1]) : 0.0f;
+                return mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + bg,
+                                    dtile[(2 * j + 1) * LDD + t] * scale + bu, alpha, limit);
+            }
+            const float b = bias ? mx_to_float(bias[col]) : 0.0f;
+            return mx_act_plain(g.activation, dtile[j * LDD + t] * scale + b);
+        };
+        /* where the quantizing pass keeps that value: the first of the
+         * dtile slots it was made from (the thread's own) */
+        auto kept_at = [&](int t, int j) {
+            return dtile + (KIND == MX_GEMM_GATE_UP_INTERLEAVED ? 2 * j : j) * LDD + t;
+        };
         constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR;
-        constexpr int NCOL = KIND == MX_GEMM_UP ? 128 : 64; /* output columns of the tile */
         float amax = 0.0f;
         T *act = static_cast<T *>(g.out);
+        /* a warp's 32 columns of one token row per step (NCOL / 32 warps a row) */
+        constexpr int kRowWarps = NCOL / 32;
+        const int rank = kPairQuant ? nt & 1 : 0;
         for (int idx = tid; idx < BT * NCOL; idx += Shape::kThreads) {
             const int t = idx / NCOL, j = idx % NCOL;
             const int64_t col = static_cast<int64_t>(nt) * NCOL + j;
-            if (tile_pair[t] < 0 || col >= oc)
+            if (kQuantAct) {
+                /* the act value as the act dtype rounds it, kept for the second
+                 * pass; the row's maximum over the warp's columns (a padding
+                 * row, warp-uniform, has none), here and in the partner: max
+                 * of the amax bits (>= +0 or the positive canonical NaN), the
+                 * NaN-propagating float maximum */
+                if (tile_pair[t] < 0)
+                    continue;
+                const bool in = col < oc;
+                const float v = in ? mx_to_float(mx_from_float<T>(act_value(t, j, col))) : 0.0f;
+                if (in)
+                    *kept_at(t, j) = v;
+                const uint32_t row_max = __reduce_max_sync(0xffffffffu, __float_as_uint(mx_amax_step(0.0f, v)));
+                uint32_t *at = &tile_amax[(rank * kRowWarps + warp % kRowWarps) * BT + t];
+                if (lane == 0) {
+                    *at = row_max;
+                    if (partner)
+                        st_shared_cluster(mx_smem_addr(at), rank ^ 1, row_max);
+                }
                 continue;
-            float v;
-            if (KIND == MX_GEMM_GATE_UP) {
-                const float bg = bias ? mx_to_float(bias[col]) : 0.0f, bu = bias ? mx_to_float(bias[oc + col]) : 0.0f;
-                v = mx_act_gated(g.activation, dtile[j * LDD + t] * scale + bg, dtile[(64 + j) * LDD + t] * scale + bu,
-                                 alpha, limit);
-            } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
-                const float bg = bias ? mx_to_float(bias[2 * col]) : 0.0f, bu = bias ? mx_to_float(bias[2 * col + 1]) : 0.0f;
-                v = mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + bg,
-                                 dtile[(2 * j + 1) * LDD + t] * scale + bu, alpha, limit);
-            } else {
-                const float b = bias ? mx_to_float(bias[col]) : 0.0f;
-                v = mx_act_plain(g.activation, dtile[j * LDD + t] * scale + b);
             }
-            const T stored = mx_from_float<T>(v);
+            const bool live = tile_pair[t] >= 0 && col < oc;
+            if (!live)
+                continue;
+            const T stored = mx_from_float<T>(act_value(t, j, col));
             act[(a_row + t) * g.ldo + col] = stored;
             if (kAmax)
                 amax = mx_amax_step(amax, mx_to_float(stored));
@@ -372,6 +427,36 @@ __global__ void __launch_bounds__(Shape::kThreads)
             amax = mx_warp_max(amax);
             if (lane == 0 && !(amax <= 0.0f)) /* > 0 or NaN */
                 mx_atomic_amax(sc.amax, amax);
+        }
+        if (kQuantAct) {
+            /* every row maximum is in (the partner's stores too): each live
+             * row's group scale, then the fp8 values, as the group quantizer
+             * makes them */
+            if (kPairQuant)
+                cluster_sync();
+            else
+                __syncthreads();
+            if (tid < BT && tile_pair[tid] >= 0) {
+                uint32_t group_max = 0;
+#pragma unroll
+                for (int w = 0; w < 2 * kRowWarps; ++w)
+                    if (w < kRowWarps || partner)
+                        group_max = max(group_max, tile_amax[((w < kRowWarps ? rank : rank ^ 1) * kRowWarps +
+                                                              w % kRowWarps) * BT + tid]);
+                const float s = mx_fp8_group_scale(__uint_as_float(group_max));
+                tile_scale[tid] = s;
+                tile_recip[tid] = mx_fp8_div_recip(s);
+                if (rank == 0)
+                    sc.act_q_scale[(a_row + tid) * sc.act_q_scale_ld + static_cast<int64_t>(nt) * NCOL / 128] = s;
+            }
+            __syncthreads();
+            for (int idx = tid; idx < BT * NCOL; idx += Shape::kThreads) {
+                const int t = idx / NCOL, j = idx % NCOL;
+                const int64_t col = static_cast<int64_t>(nt) * NCOL + j;
+                if (tile_pair[t] >= 0 && col < oc)
+                    sc.act_q[(a_row + t) * sc.act_q_ld + col] =
+                        mx_fp8_encode_divided(*kept_at(t, j), tile_scale[t], tile_recip[t]);
+            }
         }
     }
 #else
@@ -436,9 +521,16 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
     else if (!sm90_rows_map<TA>(g.a, g.lda, KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
                                 Shape::kBlockT, g.k, &map_a, &st))
         return st;
-    return mx_check_call(mx_launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(Shape::kThreads),
-                                             Shape::kSmemBytes, stream, map_a, map_w, g, sc, static_cast<int>(m_tiles),
-                                             static_cast<int>(n_tiles), static_cast<int>(kb_per_split)),
+    /* BLOCK GEMM1 quantizes act in its epilogue: tiles of 64 act columns in
+     * clusters of two (the grid's n tiles come in even chunks) */
+    constexpr bool kQuantAct = QUANT == MX_QUANT_FP8_BLOCK && decode_rows_from_x(KIND);
+    constexpr unsigned kCluster = kQuantAct && KIND != MX_GEMM_UP ? 2u : 1u;
+    if (kQuantAct && (!sc.act_q || !sc.act_q_scale))
+        return mx_status_fail(MX_ERR_VALUE, "%s: block-scaled GEMM1 needs act_q and act_q_scale", name);
+    return mx_check_call(mx_launch_dependent_clusters(kCluster, kernel, dim3(static_cast<unsigned>(grid)),
+                                                      dim3(Shape::kThreads), Shape::kSmemBytes, stream, map_a, map_w,
+                                                      g, sc, static_cast<int>(m_tiles), static_cast<int>(n_tiles),
+                                                      static_cast<int>(kb_per_split)),
                          name);
 }
 

@@ -138,6 +138,14 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
                  : "memory");
 }
 
+/* Store v at the same shared-memory offset in CTA `rank` of the cluster. */
+__device__ __forceinline__ void st_shared_cluster(uint32_t addr, uint32_t rank, uint32_t v)
+{
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "st.shared::cluster.b32 [remote], %2;\n}\n" ::"r"(addr), "r"(rank), "r"(v)
+                 : "memory");
+}
+
 __device__ __forceinline__ uint32_t cluster_cta_rank()
 {
     uint32_t r;
