@@ -241,6 +241,21 @@ static inline int mx_select_sm90_decode_config(int64_t rows, int64_t local_exper
                                      : MX_TILE_SM90_MID;
 }
 
+/* Block-scaled FP8 GEMM1 on the decode kernel quantizes act in its epilogue
+ * (grouped_gemm_sm90_decode.cuh) on tiles of up to this many tokens; larger
+ * tiles leave it to the group quantizer. H100, 2026-11-25, against the
+ * quantizer's launch: 16-token tiles 1.02-1.04x (DeepSeek-V3 M = 1 141 ->
+ * 135 us), 32-token tiles 1.00-1.01x, 48-token tiles 0.91-0.96x (qwen3moe
+ * M = 512 294 -> 323 us; 2 CTAs per SM at 186 registers, 315 us at 3 with
+ * spills), so the rows of a 48- or 64-token tile cost more in the epilogue,
+ * and in the wait for the cluster partner, than the quantizer's pass. */
+constexpr int kSm90DecodeQuantActMaxTokens = 32;
+
+static inline int mx_tile_sm90_decode_quantizes_act(int config)
+{
+    return mx_tile_is_sm90_decode(config) && mx_tile_block_m(config) <= kSm90DecodeQuantActMaxTokens;
+}
+
 /* Split-K of GEMM2 in the Hopper decode kernel: slices while the
  * worst-case grid (m tiles x 128-row n tiles) stays within two CTAs per SM
  * of an H100/H200 (264: one wave), up to 8, each of at least 4 k blocks of

@@ -53,13 +53,14 @@
  * outputs column-fastest: GEMM1 kinds apply scale, bias and activation and
  * store act in T (per-tensor FP8 also the warp's atomic amax); GEMM2 stores
  * float32 (acc * scale + bias on split 0) * routing weight into its split-K
- * slice of y. Block-scaled FP8 GEMM1 stores act quantized instead (sc.act_q,
- * the group quantizer's bits: values rounded to T, scale max(amax, 1e-10) /
- * 448 per token and 128 columns): each token row's maxima go to shared
- * memory, and a tile of 64 act columns runs in a 2-CTA cluster with its
- * group's other tile, the two exchanging their maxima through distributed
- * shared memory before a cluster barrier. That saves the act quantizer's
- * launch (~3-4 us at M = 1) and act's round trip.
+ * slice of y. Block-scaled FP8 GEMM1 on 16- and 32-token tiles stores act
+ * quantized instead (sc.act_q, the group quantizer's bits: values rounded to
+ * T, scale max(amax, 1e-10) / 448 per token and 128 columns): each token
+ * row's maxima go to shared memory, and a tile of 64 act columns runs in a
+ * 2-CTA cluster with its group's other tile, the two exchanging their maxima
+ * through distributed shared memory before a cluster barrier. That saves
+ * the act quantizer's launch and act's round trip (gemm_configs.cuh
+ * kSm90DecodeQuantActMaxTokens has the measurements).
  *
  * The launcher guarantees: tile tables from moe_align with block_m =
  * kBlockT; TMA preconditions (16-byte row strides and bases); block scales
@@ -80,6 +81,13 @@ constexpr int kDecodeGroupN = 8; /* n tiles per chunk of the grid order (1024 we
 /* GEMM1 kinds read their A rows by token from g.a with cp.async; DOWN and
  * LINEAR read A [rows, K] by TMA. */
 __host__ __device__ constexpr bool decode_rows_from_x(int kind) { return kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR; }
+
+/* Whether the kernel quantizes act itself (sc.act_q): block-scaled GEMM1 on
+ * small tiles (gemm_configs.cuh mx_tile_sm90_decode_quantizes_act). */
+__host__ __device__ constexpr bool decode_quantizes_act(int kind, int quant, int tokens)
+{
+    return quant == MX_QUANT_FP8_BLOCK && decode_rows_from_x(kind) && tokens <= kSm90DecodeQuantActMaxTokens;
+}
 
 /* One k block of FP8 products, promoted: its 4 chained k steps land in
  * part0 / part1 (weight boxes 0 / 1 at w_src, w_src + box_bytes; A at
@@ -134,10 +142,11 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kRowsFromX = decode_rows_from_x(KIND);
     constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
     constexpr int NCOL = KIND == MX_GEMM_UP ? 128 : 64;           /* GEMM1: act columns of a tile */
-    /* BLOCK GEMM1 quantizes act in its epilogue (per token and 128 columns);
-     * tiles of 64 act columns run in clusters of two (rank = n tile parity),
-     * which reduce each group's amax over both tiles */
-    constexpr bool kQuantAct = kBlockScales && kRowsFromX;
+    /* BLOCK GEMM1 on tiles of up to kSm90DecodeQuantActMaxTokens quantizes
+     * act in its epilogue (per token and 128 columns); tiles of 64 act
+     * columns run in clusters of two (rank = n tile parity), which reduce
+     * each group's amax over both tiles */
+    constexpr bool kQuantAct = decode_quantizes_act(KIND, QUANT, BT);
     constexpr bool kPairQuant = kQuantAct && NCOL == 64;
     /* launched dependent (common.cuh): GEMM2, LINEAR and FP8 GEMM1 (after
      * the x quantizer) know their weight tiles before the previous kernel
@@ -521,12 +530,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
     else if (!sm90_rows_map<TA>(g.a, g.lda, KIND == MX_GEMM_LINEAR ? g.rows : m_tiles * Shape::kBlockT,
                                 Shape::kBlockT, g.k, &map_a, &st))
         return st;
-    /* BLOCK GEMM1 quantizes act in its epilogue: tiles of 64 act columns in
-     * clusters of two (the grid's n tiles come in even chunks) */
-    constexpr bool kQuantAct = QUANT == MX_QUANT_FP8_BLOCK && decode_rows_from_x(KIND);
+    /* act quantized in the epilogue (by the caller's choice of the same rule):
+     * tiles of 64 act columns in clusters of two (the grid's n tiles come in
+     * even chunks) */
+    constexpr bool kQuantAct = decode_quantizes_act(KIND, QUANT, Shape::kBlockT);
     constexpr unsigned kCluster = kQuantAct && KIND != MX_GEMM_UP ? 2u : 1u;
-    if (kQuantAct && (!sc.act_q || !sc.act_q_scale))
-        return mx_status_fail(MX_ERR_VALUE, "%s: block-scaled GEMM1 needs act_q and act_q_scale", name);
+    if (kQuantAct != (sc.act_q != nullptr && sc.act_q_scale != nullptr))
+        return mx_status_fail(MX_ERR_VALUE, "%s: act_q and act_q_scale %s", name,
+                              kQuantAct ? "missing (this tile quantizes act)" : "given to a tile that does not quantize act");
     return mx_check_call(mx_launch_dependent_clusters(kCluster, kernel, dim3(static_cast<unsigned>(grid)),
                                                       dim3(Shape::kThreads), Shape::kSmemBytes, stream, map_a, map_w,
                                                       g, sc, static_cast<int>(m_tiles), static_cast<int>(n_tiles),
