@@ -82,11 +82,22 @@ constexpr int kDecodeGroupN = 8; /* n tiles per chunk of the grid order (1024 we
  * LINEAR read A [rows, K] by TMA. */
 __host__ __device__ constexpr bool decode_rows_from_x(int kind) { return kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR; }
 
+/* GEMM1 kinds: act columns of a tile (128 weight rows: gate + up halves, or
+ * gate / up pairs, give 64). */
+__host__ __device__ constexpr int decode_act_cols(int kind) { return kind == MX_GEMM_UP ? 128 : 64; }
+
 /* Whether the kernel quantizes act itself (sc.act_q): block-scaled GEMM1 on
  * small tiles (gemm_configs.cuh mx_tile_sm90_decode_quantizes_act). */
 __host__ __device__ constexpr bool decode_quantizes_act(int kind, int quant, int tokens)
 {
     return quant == MX_QUANT_FP8_BLOCK && decode_rows_from_x(kind) && tokens <= kSm90DecodeQuantActMaxTokens;
+}
+
+/* Whether those tiles hold half a 128-column group, so that they run in
+ * 2-CTA clusters (the group's two tiles) to reduce its maxima. */
+__host__ __device__ constexpr bool decode_quantizes_in_pairs(int kind, int quant, int tokens)
+{
+    return decode_quantizes_act(kind, quant, tokens) && decode_act_cols(kind) == 64;
 }
 
 /* One k block of FP8 products, promoted: its 4 chained k steps land in
@@ -141,13 +152,13 @@ __global__ void __launch_bounds__(Shape::kThreads)
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
     constexpr bool kRowsFromX = decode_rows_from_x(KIND);
     constexpr int kLoaders = kRowsFromX ? 32 : 1;                 /* warp 0's lanes, or thread 0 */
-    constexpr int NCOL = KIND == MX_GEMM_UP ? 128 : 64;           /* GEMM1: act columns of a tile */
+    constexpr int NCOL = decode_act_cols(KIND);                   /* GEMM1: act columns of a tile */
     /* BLOCK GEMM1 on tiles of up to kSm90DecodeQuantActMaxTokens quantizes
      * act in its epilogue (per token and 128 columns); tiles of 64 act
      * columns run in clusters of two (rank = n tile parity), which reduce
      * each group's amax over both tiles */
     constexpr bool kQuantAct = decode_quantizes_act(KIND, QUANT, BT);
-    constexpr bool kPairQuant = kQuantAct && NCOL == 64;
+    constexpr bool kPairQuant = decode_quantizes_in_pairs(KIND, QUANT, BT);
     /* launched dependent (common.cuh): GEMM2, LINEAR and FP8 GEMM1 (after
      * the x quantizer) know their weight tiles before the previous kernel
      * ends (the tile table is older); 16-bit GEMM1 reads the tile table the
@@ -534,7 +545,7 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
      * tiles of 64 act columns in clusters of two (the grid's n tiles come in
      * even chunks) */
     constexpr bool kQuantAct = decode_quantizes_act(KIND, QUANT, Shape::kBlockT);
-    constexpr unsigned kCluster = kQuantAct && KIND != MX_GEMM_UP ? 2u : 1u;
+    constexpr unsigned kCluster = decode_quantizes_in_pairs(KIND, QUANT, Shape::kBlockT) ? 2u : 1u;
     if (kQuantAct != (sc.act_q != nullptr && sc.act_q_scale != nullptr))
         return mx_status_fail(MX_ERR_VALUE, "%s: act_q and act_q_scale %s", name,
                               kQuantAct ? "missing (this tile quantizes act)" : "given to a tile that does not quantize act");
