@@ -78,10 +78,16 @@ struct mx_sm90_shape {
      * rows x BN/2 16-bit columns, as BN/128 boxes of 64 x 64 (8 KB) */
     static constexpr uint32_t kOutBoxBytes = 64 * 128;
     static constexpr uint32_t kOutBytes = kMathWarpgroups * (BN / 128) * kOutBoxBytes;
+    /* the other kinds' output on its way out: per math warp 16 rows x 128
+     * bytes (32 float32 y or 64 act columns), so that each store
+     * instruction writes whole lines of four rows; then GEMM2's bias row of
+     * the tile (BN 16-bit values) */
+    static constexpr uint32_t kWarpStageBytes = 16 * 128 + BN * 2;
 
     static_assert(BN % 128 == 0 && BN <= 256, "wgmma n up to 256; interleaved GEMM1 tiles stage whole 64-column boxes");
     static_assert(kStageBytes % 1024 == 0 && kWBytes % 2048 == 0, "slots and weight boxes start on 1024-byte atoms");
-    static_assert(kSmemBytes + kOutBytes <= 227 * 1024, "fits the sm_90 shared-memory opt-in limit, staging included");
+    static_assert(kSmemBytes + kOutBytes <= 227 * 1024 && kSmemBytes + kMathWarps * kWarpStageBytes <= 227 * 1024,
+                  "fits the sm_90 shared-memory opt-in limit, staging included");
     static_assert(kMathRegs * 128 * kMathWarpgroups + kProducerRegs * 128 <= 65536, "register file of one SM");
     static_assert(kMathRegs % 8 == 0 && kProducerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
     static_assert(CLUSTER_M == 1 || CLUSTER_M == 2, "pairs of CTAs at most (the multicast mask covers the pair)");

@@ -223,15 +223,16 @@ __device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t firs
 }
 
 /* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
- * (sc: the per-tensor FP8 scales, else 1). Stores are 16 bytes: lanes q and
+ * (sc: the per-tensor FP8 scales, else 1), stored from the fragments (the
+ * block-scale kernels: sm90_warp_staged). Stores are 16 bytes: lanes q and
  * q ^ 1 swap a pair, so that the even lane holds 4 columns of row lo and the
  * odd lane the same 4 of row hi (out_cols is a multiple of 8: the launcher's
  * TMA rule for n_rows, so a quad's 8 columns are all in or all out). Half
  * the store instructions of 8-byte stores: qwen3moe fp8_tensor GEMM2 at
  * M = 4096 227 -> 221 us, bf16 1-3% (H100, logs/2026-11-25-nvidia-h100-ab-unit-ahead.txt). */
 template <typename T, typename Shape>
-__device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                                int nt, int expert, const mx_gemm_args &g, float sc)
+__device__ __forceinline__ void sm90_store_down_direct(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
+                                                       int nt, int expert, const mx_gemm_args &g, float sc)
 {
     constexpr int BN = Shape::kBlockN;
     const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
@@ -261,6 +262,69 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
     }
 }
 
+/* sm90_store_down_direct's y through the warp's shared memory (`stage`):
+ * 16 rows x 32 columns at a time, each thread puts its pairs of rows lo and
+ * hi there, then lane l stores the 16 bytes l % 8 of row l / 8 + 4 j, so one
+ * store instruction writes whole 128-byte lines of four rows (the fragments
+ * themselves give 16 rows x 32 bytes per instruction). The 16-byte units of
+ * a row are XOR-swizzled by 2 (row % 4), so that neither the 8-byte writes
+ * (rows r..r+3 of a half warp) nor the 16-byte reads conflict. Each 16-byte
+ * store is all in or all out (out_cols is a multiple of 8). The tile's bias
+ * row is loaded once, 8 columns per lane, into the stage's last BN x 2
+ * bytes: loaded chunk by chunk, each load waited behind the stores before
+ * it (gpt-oss GEMM2 at M = 4096 +3%, H200 2026-11-26). */
+template <typename T, typename Shape>
+__device__ __forceinline__ void sm90_store_down_staged(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
+                                                       int nt, int expert, const mx_gemm_args &g, float sc, float *stage)
+{
+    constexpr int BN = Shape::kBlockN;
+    const int q = lane % 4, r = lane / 4;
+    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const int64_t tile_col = static_cast<int64_t>(nt) * BN;
+    /* the pair of each row this lane stores: rows lane / 8 + 4 j, held by lane 4 (row % 8) */
+    float *y_row[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int row = lane / 8 + 4 * j;
+        const int32_t pair = __shfl_sync(0xffffffffu, j < 2 ? rows.pair_lo : rows.pair_hi, 4 * (row % 8));
+        y_row[j] = pair >= 0 ? static_cast<float *>(g.out) + static_cast<int64_t>(pair) * g.ldo + tile_col : nullptr;
+    }
+    /* the bias pairs of tile columns (2p, 2p + 1) at bias_pairs[p] */
+    uint32_t *bias_pairs = reinterpret_cast<uint32_t *>(stage + 16 * 32);
+    if (bias) {
+        uint32_t mine[4];
+        sm90_load_bias_pairs(bias, tile_col + 8 * (lane % (BN / 8)), 2, g.out_cols, mine);
+        if (lane < BN / 8)
+            *reinterpret_cast<uint4 *>(bias_pairs + 4 * lane) = make_uint4(mine[0], mine[1], mine[2], mine[3]);
+    }
+    auto at = [&](int row, int unit) { return stage + row * 32 + 4 * (unit ^ (2 * (row % 4))); };
+#pragma unroll
+    for (int c = 0; c < BN / 32; ++c) {
+        if (tile_col + 32 * c >= g.out_cols) /* the same for the whole warp */
+            break;
+        __syncwarp(); /* the bias is in; the previous chunk has been read */
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = 4 * c + u;
+            const float2 b = bias ? mx_unpack2<T>(bias_pairs[4 * i + q]) : make_float2(0.0f, 0.0f);
+            const int unit = 2 * u + q / 2, half = 2 * (q % 2);
+            *reinterpret_cast<float2 *>(at(r, unit) + half) =
+                make_float2((acc[4 * i] * sc + b.x) * rows.w_lo, (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
+            *reinterpret_cast<float2 *>(at(r + 8, unit) + half) =
+                make_float2((acc[4 * i + 2] * sc + b.x) * rows.w_hi, (acc[4 * i + 3] * sc + b.y) * rows.w_hi);
+        }
+        __syncwarp();
+        const int64_t col = 32 * c + 4 * (lane % 8);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 v = *reinterpret_cast<const float4 *>(at(lane / 8 + 4 * j, lane % 8));
+            if (y_row[j] && tile_col + col < g.out_cols)
+                *reinterpret_cast<float4 *>(y_row[j] + col) = v;
+        }
+    }
+    __syncwarp(); /* the bias pairs are read before the next tile writes them */
+}
+
 /* Interleaved (swigluoai) GEMM1 tiles leave through shared memory: each
  * math warpgroup puts its 64 x BN/2 act values into its own BN/128 boxes of
  * 64 rows x 128 bytes (128B-swizzled, as the store map reads them) and one
@@ -269,15 +333,38 @@ __device__ __forceinline__ void sm90_store_down(const float (&acc)[Shape::kBlock
  * held): nothing reads them. Measured on H100 (2026-11-25, two rounds,
  * logs/2026-11-25-nvidia-h100-ab-tma-store.txt): gpt-oss GEMM1 at M = 16384
  * 4370 -> 3965 us (its direct stores pair lanes across rows lo / hi); the
- * plain gated kind was 1-3% slower staged (Mixtral bf16 11170 -> 11465,
- * qwen3moe 1282 -> 1300), so it stores directly. */
+ * plain gated kind was 1-3% slower so (Mixtral bf16 11170 -> 11465,
+ * qwen3moe 1282 -> 1300), so it goes through its warps' own staging
+ * (sm90_warp_staged), which needs no barrier across the warpgroup. */
 template <int KIND> constexpr bool sm90_staged_out() { return KIND == MX_GEMM_GATE_UP_INTERLEAVED; }
 
-/* Dynamic shared memory of one KIND's kernel: the staging boxes only where
- * they are used (more shared memory leaves less L1). */
-template <typename Shape, int KIND> constexpr size_t sm90_smem_bytes()
+/* The other kinds' outputs leave through each math warp's own shared
+ * memory (sm90_store_down_staged, sm90_store_act), whole 128-byte lines
+ * per store instruction, except in the block-scale kernels, which store
+ * from the fragments: staged, their forwards were 0.9% slower (DeepSeek-V3
+ * fp8_block M = 4096 5820 -> 5872 us; the shared memory taken from L1,
+ * where the promotion reads its scales every k block). Staged against
+ * direct, forwards on an H200 (2026-11-26, three rounds each,
+ * logs/2026-11-26-nvidia-h200-ab-warp-staged-stores.txt, with the
+ * per-tensor pairs below): qwen3moe bf16 / fp8_tensor M = 16384 -2.3 /
+ * -3.2% (GEMM2 -6..-9%), Mixtral fp8_tensor M = 16384 -2.1%, DeepSeek-V3
+ * fp8_tensor M = 4096 -2.8%, gpt-oss bf16 M = 4096 / 16384 -2.3%, Mixtral
+ * bf16 within 1%, qwen3moe M = 1024 within 0.5%. */
+template <int KIND, int QUANT> constexpr bool sm90_warp_staged()
 {
-    return Shape::kSmemBytes + (sm90_staged_out<KIND>() ? Shape::kOutBytes : 0);
+    return !sm90_staged_out<KIND>() && QUANT != MX_QUANT_FP8_BLOCK;
+}
+
+/* Shared memory of one kernel past the ring: its epilogue's staging. */
+template <typename Shape, int KIND, int QUANT> constexpr uint32_t sm90_out_bytes()
+{
+    return sm90_staged_out<KIND>()            ? Shape::kOutBytes
+           : sm90_warp_staged<KIND, QUANT>() ? Shape::kMathWarps * Shape::kWarpStageBytes
+                                             : 0;
+}
+template <typename Shape, int KIND, int QUANT> constexpr size_t sm90_smem_bytes()
+{
+    return Shape::kSmemBytes + sm90_out_bytes<Shape, KIND, QUANT>();
 }
 
 /* The staging boxes of the thread's warpgroup and the thread's first row in them. */
@@ -286,63 +373,98 @@ struct sm90_out_stage {
     int row;       /* rows row and row + 8 of the warpgroup's 64 */
 };
 
-/* GEMM1: act[s, col] = ACT(acc * sc + w13_bias) in act dtype (the
- * interleaved kind: into the staging boxes); with kAmax also
- * the running amax of the stored values. ACT is a compile-time
- * mx_activation, so each instantiation is one straight run of code with no
- * per-element branch on the activation. */
-template <typename T, typename Shape, int KIND, int ACT, bool kAmax>
-__device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
+/* GEMM1: act[s, col] = ACT(acc * sc + w13_bias) in act dtype; with kAmax
+ * also the running amax of the stored values. The interleaved kind goes
+ * into its warpgroup's staging boxes (TMA store); with kWarpStaged the
+ * others through the warp's 2 KB of shared memory (`warp_stage`, 16 rows x
+ * 64 columns in the 128B swizzle, so the 4-byte writes of 8 rows do not
+ * conflict), 64 columns at a time: lane l then stores the 16 bytes l % 8 of
+ * row l / 8 + 4 j, whole 128-byte lines of four rows per instruction
+ * instead of 16 bytes of 8 rows; without, straight from the fragments.
+ * ACT is a compile-time mx_activation, so each instantiation is one
+ * straight run of code with no per-element branch on the activation. */
+template <typename T, typename Shape, int KIND, int ACT, bool kAmax, bool kWarpStaged>
+__device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
                                                int nt, int expert, const mx_gemm_args &g, float sc, float &amax,
-                                               const sm90_out_stage &stage)
+                                               const sm90_out_stage &stage, unsigned char *warp_stage)
 {
     constexpr int BN = Shape::kBlockN;
+    const int q = lane % 4;
     const int64_t oc = g.out_cols;
     const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
     const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
-    T *act_lo = static_cast<T *>(g.out) + rows.s_lo * g.ldo;
-    T *act_hi = act_lo + 8 * g.ldo;
     const bool lo = rows.pair_lo >= 0, hi = rows.pair_hi >= 0;
-    const int64_t tile_col = static_cast<int64_t>(nt) * (BN / 2);
+    const int64_t tile_col = static_cast<int64_t>(nt) * (KIND == MX_GEMM_UP ? BN : BN / 2);
+    T *act_lo = static_cast<T *>(g.out) + rows.s_lo * g.ldo; /* direct stores */
+    T *act_hi = act_lo + 8 * g.ldo;
     /* the pair (col, col + 1) of the thread's row lo (second: row hi) */
     auto store = [&](bool second, int64_t col, uint32_t packed) {
-        if constexpr (sm90_staged_out<KIND>()) {
-            const int r = stage.row + (second ? 8 : 0), c = static_cast<int>(col - tile_col);
-            st_shared_u32(stage.base + (c / 64) * Shape::kOutBoxBytes + sw128_offset(r, 2u * static_cast<uint32_t>(c % 64)),
+        const uint32_t byte = 2u * static_cast<uint32_t>(col - tile_col);
+        if constexpr (sm90_staged_out<KIND>())
+            st_shared_u32(stage.base + (byte / 128) * Shape::kOutBoxBytes + sw128_offset(stage.row + (second ? 8 : 0), byte % 128),
                           packed);
-        } else {
+        else if constexpr (kWarpStaged)
+            *reinterpret_cast<uint32_t *>(warp_stage + sw128_offset(lane / 4 + (second ? 8 : 0), byte % 128)) = packed;
+        else
             *reinterpret_cast<uint32_t *>((second ? act_hi : act_lo) + col) = packed;
-        }
         if (kAmax)
             amax = sm90_amax2<T>(amax, packed);
     };
+    /* the act row of each row this lane stores (rows lane / 8 + 4 j of the warp's 16), null for padding */
+    T *act_row[4] = {};
+#pragma unroll
+    for (int j = 0; j < (kWarpStaged ? 4 : 0); ++j) {
+        const int row = lane / 8 + 4 * j;
+        const int32_t pair = __shfl_sync(0xffffffffu, j < 2 ? rows.pair_lo : rows.pair_hi, 4 * (row % 8));
+        act_row[j] = pair >= 0 ? static_cast<T *>(g.out) + (rows.s_lo - lane / 4 + row) * g.ldo + tile_col : nullptr;
+    }
+    /* the staged 64 columns from tile column c0 out to the act rows */
+    auto flush = [&](int c0) {
+        if (!kWarpStaged)
+            return;
+        __syncwarp();
+        const int64_t col = c0 + 8 * (lane % 8);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 v = *reinterpret_cast<const uint4 *>(warp_stage + sw128_offset(lane / 8 + 4 * j, 16u * (lane % 8)));
+            if (act_row[j] && tile_col + col < oc)
+                *reinterpret_cast<uint4 *>(act_row[j] + col) = v;
+        }
+        __syncwarp(); /* read before the next chunk is written */
+    };
     if (KIND == MX_GEMM_GATE_UP) {
         constexpr int UP = BN / 16; /* the up rows start at fragment group BN / 16 */
-        const int64_t col0 = static_cast<int64_t>(nt) * (BN / 2) + 2 * q;
+        const int64_t col0 = tile_col + 2 * q;
         uint32_t gate_bias[BN / 16], up_bias[BN / 16];
         sm90_load_bias_pairs(bias, col0, 8, oc, gate_bias);
         sm90_load_bias_pairs(bias ? bias + oc : nullptr, col0, 8, oc, up_bias);
 #pragma unroll
-        for (int i = 0; i < BN / 16; ++i) {
-            const int64_t col = col0 + 8 * i;
-            if (col >= oc)
-                continue;
-            const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
-            const int u = 4 * (i + UP);
-            if (lo)
-                store(false, col,
-                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
-                                  mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit)));
-            if (hi)
-                store(true, col,
-                      mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
-                                  mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit)));
+        for (int c = 0; c < BN / 128; ++c) {
+            if (tile_col + 64 * c >= oc) /* the same for the whole warp */
+                break;
+#pragma unroll
+            for (int i = 8 * c; i < 8 * c + 8; ++i) {
+                const int64_t col = col0 + 8 * i;
+                if (col >= oc)
+                    continue;
+                const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
+                const int u = 4 * (i + UP);
+                if (lo)
+                    store(false, col,
+                          mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
+                                      mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit)));
+                if (hi)
+                    store(true, col,
+                          mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
+                                      mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit)));
+            }
+            flush(64 * c);
         }
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
         /* the thread's output column o = 4i + q; lanes q and q^1 swap so that
          * the even lane stores row lo and the odd lane row hi, two columns each */
         const bool even = (q & 1) == 0;
-        const int64_t o0 = static_cast<int64_t>(nt) * (BN / 2) + q;
+        const int64_t o0 = tile_col + q;
         uint32_t gate_up_bias[BN / 8]; /* (gate, up) of output column o at bias[2o], bias[2o + 1] */
         sm90_load_bias_pairs(bias, 2 * o0, 8, 2 * oc, gate_up_bias);
 #pragma unroll
@@ -358,21 +480,33 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
             store(!even, col, even ? mx_pack2<T>(v_lo, other) : mx_pack2<T>(other, v_hi));
         }
     } else {
-        const int64_t col0 = static_cast<int64_t>(nt) * BN + 2 * q;
-        uint32_t bias_pairs[BN / 8];
+        const int64_t col0 = tile_col + 2 * q;
+        /* staged: by chunks (all BN / 8 with the act rows would spill), the
+         * next one's before this one's stores, which it would wait for
+         * (sm90_load_bias_pairs); direct: all before the first store */
+        constexpr int kBiasPairs = kWarpStaged ? 8 : BN / 8;
+        uint32_t bias_pairs[kBiasPairs];
         sm90_load_bias_pairs(bias, col0, 8, oc, bias_pairs);
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {
-            const int64_t col = col0 + 8 * i;
-            if (col >= oc)
-                continue;
-            const float2 b = mx_unpack2<T>(bias_pairs[i]);
-            if (lo)
-                store(false, col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b.x),
-                                              mx_act_plain(ACT, acc[4 * i + 1] * sc + b.y)));
-            if (hi)
-                store(true, col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b.x),
-                                                mx_act_plain(ACT, acc[4 * i + 3] * sc + b.y)));
+        for (int c = 0; c < BN / 64; ++c) {
+            if (tile_col + 64 * c >= oc)
+                break;
+#pragma unroll
+            for (int i = 8 * c; i < 8 * c + 8; ++i) {
+                const int64_t col = col0 + 8 * i;
+                if (col >= oc)
+                    continue;
+                const float2 b = mx_unpack2<T>(bias_pairs[i % kBiasPairs]);
+                if (lo)
+                    store(false, col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i] * sc + b.x),
+                                                  mx_act_plain(ACT, acc[4 * i + 1] * sc + b.y)));
+                if (hi)
+                    store(true, col, mx_pack2<T>(mx_act_plain(ACT, acc[4 * i + 2] * sc + b.x),
+                                                 mx_act_plain(ACT, acc[4 * i + 3] * sc + b.y)));
+            }
+            if (kWarpStaged && c + 1 < BN / 64)
+                sm90_load_bias_pairs(bias, col0 + 64 * (c + 1), 8, oc, bias_pairs);
+            flush(64 * c);
         }
     }
 }
@@ -382,22 +516,29 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
  * interleaved kind, silu / gelu gated, relu2 / silu / gelu plain). GEMM1
  * with per-tensor FP8 scales ends with one atomic amax per warp. */
 template <typename T, typename Shape, int KIND, int QUANT>
-__device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
+__device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
                                               int nt, int expert, const mx_gemm_args &g, float sc, uint32_t *amax_bits,
-                                              const sm90_out_stage &stage)
+                                              const sm90_out_stage &stage, unsigned char *warp_stage)
 {
     constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
     float amax = 0.0f;
-    if (KIND == MX_GEMM_DOWN) {
-        sm90_store_down<T, Shape>(acc, rows, q, nt, expert, g, sc);
+    constexpr bool kWarpStaged = sm90_warp_staged<KIND, QUANT>();
+    if (KIND == MX_GEMM_DOWN && kWarpStaged) {
+        sm90_store_down_staged<T, Shape>(acc, rows, lane, nt, expert, g, sc, reinterpret_cast<float *>(warp_stage));
+    } else if (KIND == MX_GEMM_DOWN) {
+        sm90_store_down_direct<T, Shape>(acc, rows, lane % 4, nt, expert, g, sc);
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
+        sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI, kAmax, kWarpStaged>(acc, rows, lane, nt, expert, g, sc, amax, stage,
+                                                                              warp_stage);
     } else if (g.activation == MX_ACT_GELU) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_GELU, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
+        sm90_store_act<T, Shape, KIND, MX_ACT_GELU, kAmax, kWarpStaged>(acc, rows, lane, nt, expert, g, sc, amax, stage,
+                                                                              warp_stage);
     } else if (KIND == MX_GEMM_UP && g.activation == MX_ACT_RELU2) {
-        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
+        sm90_store_act<T, Shape, KIND, MX_ACT_RELU2, kAmax, kWarpStaged>(acc, rows, lane, nt, expert, g, sc, amax, stage,
+                                                                              warp_stage);
     } else {
-        sm90_store_act<T, Shape, KIND, MX_ACT_SILU, kAmax>(acc, rows, q, nt, expert, g, sc, amax, stage);
+        sm90_store_act<T, Shape, KIND, MX_ACT_SILU, kAmax, kWarpStaged>(acc, rows, lane, nt, expert, g, sc, amax, stage,
+                                                                              warp_stage);
     }
     if (kAmax) {
         amax = mx_warp_max(amax);
@@ -456,8 +597,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
-    const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* act staging of interleaved GEMM1 */
-    const uint32_t bars = out_boxes + (sm90_staged_out<KIND>() ? Shape::kOutBytes : 0); /* full[STAGES], empty[STAGES] */
+    const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* the epilogue's staging (sm90_out_bytes) */
+    const uint32_t bars = out_boxes + sm90_out_bytes<Shape, KIND, QUANT>(); /* full[STAGES], empty[STAGES] */
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
 
@@ -482,7 +623,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int num_m = *g.num_tiles;
     const int num_mu = (num_m + CM - 1) / CM;
     const int total = num_mu * n_tiles;
-    const int k_blocks = static_cast<int>((g.k + BK - 1) / BK);
+    /* per-tensor FP8 promotes pairs of k blocks: an odd count gets one more,
+     * past K, which the TMA zero-fills, so that no wgmma is conditional */
+    constexpr bool kPromotePairs = QUANT == MX_QUANT_FP8_TENSOR;
+    const int k_blocks =
+        (static_cast<int>((g.k + BK - 1) / BK) + (kPromotePairs ? 1 : 0)) & (kPromotePairs ? ~1 : ~0);
     const int wg = threadIdx.x / 128;
 
     if (wg == Shape::kMathWarpgroups) {
@@ -671,16 +816,19 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                  * -1.0..+1.0%, test errors unchanged (H100, 2026-11-25). Two
                  * product sets of 64 columns alternating instead: Mixtral M =
                  * 16384 +26% (m64n64 wgmmas read A twice as often: the shared
-                 * memory bandwidth). */
+                 * memory bandwidth). k_blocks is even (an odd count padded
+                 * with a zero block), so no wgmma is conditional: with the
+                 * second block of a pair under a branch ptxas fenced the
+                 * wgmmas (C7519); straight, DeepSeek-V3 M = 4096 forwards
+                 * -0.7%, Mixtral M = 16384 -0.2% (H200, 2026-11-26); an odd
+                 * last block on its own path spilled 500-900 bytes. */
                 static_assert(STAGES >= 2, "a promotion holds two slots");
                 for (int kb = 0; kb < k_blocks; kb += 2) {
-                    const int n = k_blocks - kb < 2 ? 1 : 2;
                     uint32_t slot[2];
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
                         slot[j] = (it + j) % STAGES;
-                        if (j < n)
-                            mbar_wait(full_bar(slot[j]), ((it + j) / STAGES) & 1u);
+                        mbar_wait(full_bar(slot[j]), ((it + j) / STAGES) & 1u);
                     }
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -689,8 +837,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         wgmma_fence();
 #pragma unroll
                         for (int j = 0; j < 2; ++j) {
-                            if (j >= n)
-                                break;
                             const uint32_t a_src = base + slot[j] * STAGE_BYTES + wg * 64 * 128,
                                            w_src = base + slot[j] * STAGE_BYTES + A_BYTES + h * HALF_W_BYTES;
 #pragma unroll
@@ -707,9 +853,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     }
 #pragma unroll
                     for (int j = 0; j < 2; ++j)
-                        if (j < n)
-                            release(slot[j]);
-                    it += n;
+                        release(slot[j]);
+                    it += 2;
                 }
             } else {
                 uint32_t prev = 0;
@@ -750,7 +895,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         bulk_wait_read<0>();
                     named_barrier_sync(1 + wg, 128);
                 }
-                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane % 4, nt, expert, g, cur.scale, sc.amax, stage);
+                unsigned char *warp_stage =
+                    sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * Shape::kWarpStageBytes;
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, g, cur.scale, sc.amax, stage, warp_stage);
                 if constexpr (sm90_staged_out<KIND>()) {
                     fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
                     named_barrier_sync(1 + wg, 128);
@@ -845,7 +992,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
         return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
 
     static std::atomic<unsigned long long> configured{0};
-    constexpr size_t kSmem = sm90_smem_bytes<Shape, KIND>();
+    constexpr size_t kSmem = sm90_smem_bytes<Shape, KIND, QUANT>();
     mx_status st = mx_opt_in_smem(kernel, kSmem, configured, name);
     if (st.code != MX_OK)
         return st;
