@@ -224,6 +224,22 @@ __global__ void __launch_bounds__(kQuantThreads)
 constexpr int kGroupsPerWarp = 4;
 constexpr int kTensorQuads = 8; /* rows_quant_tensor_kernel: quads per lane loaded before any is stored */
 
+/* rows_quant_tensor_kernel's chunks per row of ldq columns, 32 x
+ * kTensorQuads quads each. Where the grid has a warp for each chunk of each
+ * row in use (decode) a warp takes one chunk, so that a long row (act: I
+ * columns) spreads over several warps: one warp walking a row of 14336 took
+ * ~10 us (Mixtral's act at decode). The launcher sizes the grid so for up
+ * to kTensorQuantUnits (row, chunk) units, else a warp per row as before:
+ * prefill quantizers ran 3-9% slower with a warp per chunk (each block
+ * reduces the amax partials first; twice the blocks, twice that), 7-9%
+ * dividing a unit index per unit, 35-45% striding over rows with a fixed
+ * chunk (H200, 2026-11-26, logs/2026-11-26-nvidia-h200-ab-tensor-quant-chunks.txt). */
+constexpr int64_t kTensorQuantUnits = 16384;
+__host__ __device__ inline int64_t tensor_quant_chunks(int64_t ldq)
+{
+    return ldq > 0 ? (ldq / 4 + 32 * kTensorQuads - 1) / (32 * kTensorQuads) : 1;
+}
+
 /* group_quant_kernel for groups of 128 columns over 4-element aligned rows
  * (x, q, cols, ldx, ldq): a warp takes a unit of kGroupsPerWarp groups of
  * one row (lane i: columns 4i..4i+3 of each, one load and one store), all
@@ -338,29 +354,41 @@ __global__ void __launch_bounds__(kQuantThreads)
     const float inv = __fdiv_rn(1.0f, s);
     if (threadIdx.x == 0 && blockIdx.x == 0)
         *scale = s;
-    if constexpr (kVec4) { /* a warp per row (rows striding over the grid's warps); lane l: quads l + 32 i */
+    if constexpr (kVec4) {
+        /* a warp per (row, chunk of 32 x kTensorQuads quads) when every such
+         * unit gets its own warp, else a warp per row, walking its chunks
+         * (rows striding over the grid's warps); lane l: quads l + 32 i of
+         * the chunk */
         const int lane = threadIdx.x & 31;
-        const int64_t quads = ldq / 4, warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32);
-        const int64_t live = live_rows(f, rows);
-        for (int64_t row = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5); row < live;
-             row += warps) {
-            if (!row_valid(f, row))
-                continue;
+        const int64_t quads = ldq / 4, chunks = tensor_quant_chunks(ldq);
+        const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5);
+        const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32), live = live_rows(f, rows);
+        auto chunk = [&](int64_t row, int64_t q0) {
             const T *xr = x + row * ldx;
             uint8_t *qr = q + row * ldq;
-            for (int64_t q0 = lane; q0 < quads; q0 += 32 * kTensorQuads) {
-                float v[kTensorQuads][4];
+            float v[kTensorQuads][4];
 #pragma unroll
-                for (int i = 0; i < kTensorQuads; ++i)
-                    if (4 * (q0 + 32 * i) < cols)
-                        load4(xr + 4 * (q0 + 32 * i), v[i]);
+            for (int i = 0; i < kTensorQuads; ++i)
+                if (4 * (q0 + 32 * i) < cols)
+                    load4(xr + 4 * (q0 + 32 * i), v[i]);
 #pragma unroll
-                for (int i = 0; i < kTensorQuads; ++i) {
-                    const int64_t c = 4 * (q0 + 32 * i);
-                    if (c >= ldq)
-                        break;
-                    store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
-                }
+            for (int i = 0; i < kTensorQuads; ++i) {
+                const int64_t c = 4 * (q0 + 32 * i);
+                if (c >= ldq)
+                    break;
+                store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
+            }
+        };
+        if (live * chunks <= warps) {
+            const int64_t row = warp / chunks;
+            if (row < live && row_valid(f, row))
+                chunk(row, (warp - row * chunks) * (32 * kTensorQuads) + lane);
+        } else {
+            for (int64_t row = warp; row < live; row += warps) {
+                if (!row_valid(f, row))
+                    continue;
+                for (int64_t q0 = lane; q0 < quads; q0 += 32 * kTensorQuads)
+                    chunk(row, q0);
             }
         }
     } else { /* grid: x = rows (stride) */
@@ -523,8 +551,11 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         dim3 grid(static_cast<unsigned>(grid_cap(rows, 4096)));
         auto kernel = rows_quant_tensor_kernel<T, false>;
-        if (rows_vec4<T>(x, cols, ldx, q, ldq)) { /* a warp per row, up to 8K blocks */
-            grid = dim3(static_cast<unsigned>(grid_cap(mx_ceil_div(rows, kQuantThreads / 32), 8192)));
+        if (rows_vec4<T>(x, cols, ldx, q, ldq)) {
+            /* a warp per chunk of a row up to kTensorQuantUnits, else per row, up to 8K blocks */
+            const int64_t units = rows * tensor_quant_chunks(ldq);
+            grid = dim3(static_cast<unsigned>(
+                grid_cap(mx_ceil_div(units <= kTensorQuantUnits ? units : rows, kQuantThreads / 32), 8192)));
             kernel = rows_quant_tensor_kernel<T, true>;
         }
         return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream, static_cast<const T *>(x),
