@@ -75,13 +75,14 @@ def test_routing_beyond_register_experts(e, k, m, gen):
     assert launches(layer, x, logits) == (m <= 32, m > 32)
 
 
+@pytest.mark.parametrize("pairs", [4096, 40960])  # 5 and 41 chunks (the scan's warps take 32 at a time)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_sort_split_over_chunks_past_4096_pairs(cfg, gen):
+def test_sort_split_over_chunks_past_4096_pairs(cfg, pairs, gen):
     """Past 4096 (token, slot) pairs the sort runs as count / scan / scatter launches over
     chunks of the pairs (csrc/cuda/moe_align.cu); the same results as the reference."""
     _, e, k, kw, corr = cfg
     layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=32, i=16)
-    m = 4096 // k + 37
+    m = pairs // k + 37
     x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     want, margin = reference(x, logits)
