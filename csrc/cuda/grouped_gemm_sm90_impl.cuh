@@ -262,6 +262,15 @@ __device__ __forceinline__ void sm90_store_down_direct(const float (&acc)[Shape:
     }
 }
 
+/* The pair (-1: padding) of row lane / 8 + 4 j of the warp's 16, the rows
+ * whose whole-line stores lane makes in sm90_store_down_staged and
+ * sm90_store_act: lane 4 (row % 8) holds it, as its row lo for j < 2. */
+__device__ __forceinline__ int32_t sm90_line_row_pair(const sm90_rows &rows, int lane, int j)
+{
+    const int row = lane / 8 + 4 * j;
+    return __shfl_sync(0xffffffffu, j < 2 ? rows.pair_lo : rows.pair_hi, 4 * (row % 8));
+}
+
 /* sm90_store_down_direct's y through the warp's shared memory (`stage`):
  * 16 rows x 32 columns at a time, each thread puts its pairs of rows lo and
  * hi there, then lane l stores the 16 bytes l % 8 of row l / 8 + 4 j, so one
@@ -281,12 +290,11 @@ __device__ __forceinline__ void sm90_store_down_staged(const float (&acc)[Shape:
     const int q = lane % 4, r = lane / 4;
     const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
     const int64_t tile_col = static_cast<int64_t>(nt) * BN;
-    /* the pair of each row this lane stores: rows lane / 8 + 4 j, held by lane 4 (row % 8) */
+    /* the y row of each row this lane stores, null for padding */
     float *y_row[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const int row = lane / 8 + 4 * j;
-        const int32_t pair = __shfl_sync(0xffffffffu, j < 2 ? rows.pair_lo : rows.pair_hi, 4 * (row % 8));
+        const int32_t pair = sm90_line_row_pair(rows, lane, j);
         y_row[j] = pair >= 0 ? static_cast<float *>(g.out) + static_cast<int64_t>(pair) * g.ldo + tile_col : nullptr;
     }
     /* the bias pairs of tile columns (2p, 2p + 1) at bias_pairs[p] */
@@ -333,9 +341,9 @@ __device__ __forceinline__ void sm90_store_down_staged(const float (&acc)[Shape:
  * held): nothing reads them. Measured on H100 (2026-11-25, two rounds,
  * logs/2026-11-25-nvidia-h100-ab-tma-store.txt): gpt-oss GEMM1 at M = 16384
  * 4370 -> 3965 us (its direct stores pair lanes across rows lo / hi); the
- * plain gated kind was 1-3% slower so (Mixtral bf16 11170 -> 11465,
- * qwen3moe 1282 -> 1300), so it goes through its warps' own staging
- * (sm90_warp_staged), which needs no barrier across the warpgroup. */
+ * plain gated kind was 1-3% slower through the boxes (Mixtral bf16 11170
+ * -> 11465, qwen3moe 1282 -> 1300), so it goes through its warps' own
+ * staging (sm90_warp_staged), which needs no barrier across the warpgroup. */
 template <int KIND> constexpr bool sm90_staged_out() { return KIND == MX_GEMM_GATE_UP_INTERLEAVED; }
 
 /* The other kinds' outputs leave through each math warp's own shared
@@ -414,9 +422,8 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     T *act_row[4] = {};
 #pragma unroll
     for (int j = 0; j < (kWarpStaged ? 4 : 0); ++j) {
-        const int row = lane / 8 + 4 * j;
-        const int32_t pair = __shfl_sync(0xffffffffu, j < 2 ? rows.pair_lo : rows.pair_hi, 4 * (row % 8));
-        act_row[j] = pair >= 0 ? static_cast<T *>(g.out) + (rows.s_lo - lane / 4 + row) * g.ldo + tile_col : nullptr;
+        const int64_t s = rows.s_lo - lane / 4 + lane / 8 + 4 * j; /* sorted row lane / 8 + 4 j of the warp's */
+        act_row[j] = sm90_line_row_pair(rows, lane, j) >= 0 ? static_cast<T *>(g.out) + s * g.ldo + tile_col : nullptr;
     }
     /* the staged 64 columns from tile column c0 out to the act rows */
     auto flush = [&](int c0) {
@@ -626,8 +633,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     /* per-tensor FP8 promotes pairs of k blocks: an odd count gets one more,
      * past K, which the TMA zero-fills, so that no wgmma is conditional */
     constexpr bool kPromotePairs = QUANT == MX_QUANT_FP8_TENSOR;
-    const int k_blocks =
-        (static_cast<int>((g.k + BK - 1) / BK) + (kPromotePairs ? 1 : 0)) & (kPromotePairs ? ~1 : ~0);
+    const int k_in_use = static_cast<int>((g.k + BK - 1) / BK);
+    const int k_blocks = kPromotePairs ? (k_in_use + 1) & ~1 : k_in_use;
     const int wg = threadIdx.x / 128;
 
     if (wg == Shape::kMathWarpgroups) {
