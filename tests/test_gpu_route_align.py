@@ -75,7 +75,7 @@ def test_routing_beyond_register_experts(e, k, m, gen):
     assert launches(layer, x, logits) == (m <= 32, m > 32)
 
 
-@pytest.mark.parametrize("pairs", [4096, 40960])  # 5 and 41 chunks (the scan's warps take 32 at a time)
+@pytest.mark.parametrize("pairs", [4096, 40960])  # 5 and 41 chunks of 1024 pairs
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_sort_split_over_chunks_past_4096_pairs(cfg, pairs, gen):
     """Past 4096 (token, slot) pairs the sort runs as count / scan / scatter launches over
