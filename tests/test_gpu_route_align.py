@@ -93,6 +93,38 @@ def test_sort_split_over_chunks_past_4096_pairs(cfg, pairs, gen):
     assert not any("moe_align_kernel" in name for name in names)
 
 
+def stale_zero_memory():
+    """Leaves zeros free in both of torch's pools (16 MB of 1 MB blocks, one 64 MB block), where
+    the next forward's workspace comes from: a padding row the sort failed to set to -1 then
+    reads as pair 0."""
+    junk = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(16)]
+    junk.append(torch.zeros(64 << 20, dtype=torch.uint8, device="cuda"))
+    del junk
+
+
+@pytest.mark.parametrize("e, k, pairs", [
+    (8, 2, 2000),    # one block
+    (128, 8, 3000),  # one block
+    (8, 2, 8192),    # 32 lanes per expert in the scan
+    (128, 8, 8192),  # 8 lanes per expert
+    (256, 8, 16384),  # 4 lanes per expert, 16 chunks: 4 rounds
+    (1100, 8, 8192),  # more experts than threads: two sweeps of one lane each
+])
+def test_sort_padding_rows_over_stale_memory(e, k, pairs, gen):
+    """The rows between an expert's pairs and its next block_m boundary are -1 even where the
+    workspace held zeros before (a warp per expert fills them, csrc/cuda/moe_align.cuh)."""
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(top_k=k), False, h=32, i=16)
+    m = pairs // k
+    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    want, margin = reference(x, logits)
+    for _ in range(2):
+        stale_zero_memory()
+        out = layer(x, logits)
+        check(out, want, margin, torch.bfloat16)
+        check(out[:1], want[:1], margin[:1], torch.bfloat16)  # pair 0's token: row by row
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_split_routing_without_groups(m, gen):
     """Sigmoid scoring, 192 experts, no groups: up to 5 tokens each takes 6 warps

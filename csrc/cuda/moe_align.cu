@@ -5,12 +5,13 @@
  * block reads the ids at a few loads in flight per thread, so past that the
  * pairs are cut into chunks of kChunkPairs, one block each, in three
  * launches (H200, shares of the forward in us, one block / split: 8192
- * pairs 19.3 / 13.6, 4096 pairs 8.8 / 8.8, 2048 pairs 5.5 / 8.4; the scan's
- * one block is most of the split path's time, 8-14 us):
+ * pairs 19.3 / 13.6, 4096 pairs 8.8 / 8.8, 2048 pairs 5.5 / 8.4, measured
+ * when each thread still wrote its expert's padding rows one by one):
  * moe_align_count_kernel (each chunk's per-expert counts into
  * block_counts [chunks, E_local] of the workspace), moe_align_scan_kernel
  * (one block: expert totals, the segments as moe_align_block's phase 2,
- * then block_counts becomes each chunk's first row per expert), and
+ * then block_counts becomes each chunk's first row per expert, then the
+ * padding rows a warp per expert), and
  * moe_align_scatter_kernel (each chunk scatters from its own cursors).
  * Within an expert's segment the pairs come chunk by chunk. The counters of
  * the split path live in shared memory (E_local ints per block). */
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(kAlignThreads)
         counts[e] = total;
     }
     __syncthreads();
-    moe_align_segments(counts, E, block_m, start, sorted_ids, tile_expert, num_tiles);
+    moe_align_segments(counts, E, block_m, start, tile_expert, num_tiles);
     for (int e = threadIdx.x; e < E; e += kAlignThreads) {
         int row = start[e];
         for (int b = 0; b < chunks; ++b) {
@@ -85,7 +86,10 @@ __global__ void __launch_bounds__(kAlignThreads)
             block_counts[b * local_experts + e] = row;
             row += c;
         }
+        counts[e] = row; /* the end of the expert's count rows */
     }
+    __syncthreads();
+    moe_align_fill_padding(counts, E, block_m, sorted_ids);
 }
 
 __global__ void __launch_bounds__(kChunkThreads)

@@ -18,8 +18,9 @@
  *               the GEMM grids are sized from the worst case and read it.
  *
  * One block of 1024 threads does everything in three phases separated by
- * __syncthreads (count, prefix sum over the padded counts, scatter), so no
- * memset and no second launch is needed. moe_align_warp runs the same three
+ * __syncthreads (count, prefix sum over the padded counts, scatter), then
+ * fills the padding rows a warp per expert, so no memset and no second
+ * launch is needed. moe_align_warp runs the same three
  * phases in one warp, for the few pairs of decode (route_align.cu), where
  * the block's barriers cost more than the work. Counters live in shared memory when
  * 2 * E_local ints fit in 48 KB, else in the workspace (counts, cursor); the
@@ -79,24 +80,29 @@ __device__ __forceinline__ void moe_align_segment_head(int e, int tiles, int fir
         tile_expert[first_tile + i] = e;
 }
 
-/* The same, and -1 into the padding rows after the segment's `count` pairs. */
-__device__ __forceinline__ void moe_align_write_segment(int e, int count, int tiles, int first_tile, int block_m,
-                                                        int32_t *start, int32_t *__restrict__ tile_expert,
-                                                        int32_t *__restrict__ sorted_ids)
+/* -1 into the padding rows of every expert's segment, a warp per expert so
+ * that each store writes up to 32 consecutive rows: expert e's count rows
+ * end at seg_end[e] and its padding runs to the next multiple of block_m
+ * (none for an empty expert, whose segment starts and ends on one). Every
+ * thread of the block calls it after seg_end is complete. */
+__device__ __forceinline__ void moe_align_fill_padding(const int32_t *seg_end, int E, int block_m,
+                                                       int32_t *__restrict__ sorted_ids)
 {
-    moe_align_segment_head(e, tiles, first_tile, block_m, start, tile_expert);
-    const int first_row = first_tile * block_m;
-    for (int r = first_row + count; r < first_row + tiles * block_m; ++r)
-        sorted_ids[r] = -1;
+    const int lane = threadIdx.x & 31;
+    for (int e = threadIdx.x >> 5; e < E; e += kAlignThreads / 32) {
+        const int end = seg_end[e];
+        const int padded = (end + block_m - 1) / block_m * block_m;
+        for (int r = end + lane; r < padded; r += 32)
+            sorted_ids[r] = -1;
+    }
 }
 
 /* Phase 2 of the sort by the whole block of kAlignThreads threads: from
  * counts[E] (complete), expert e's segment starts at start[e] (a multiple of
- * block_m, experts in order without gaps); writes the tile table, the -1
- * padding after each segment's count rows and num_tiles. Every thread
- * calls it; start may alias nothing else. */
+ * block_m, experts in order without gaps); writes the tile table and
+ * num_tiles (the padding rows: moe_align_fill_padding). Every thread calls
+ * it; start may alias nothing else, and is complete when it returns. */
 __device__ __forceinline__ void moe_align_segments(const int32_t *counts, int E, int block_m, int32_t *start,
-                                                   int32_t *__restrict__ sorted_ids,
                                                    int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
 {
     __shared__ int warp_totals[32];
@@ -111,7 +117,7 @@ __device__ __forceinline__ void moe_align_segments(const int32_t *counts, int E,
         const int tiles = (count + block_m - 1) / block_m;
         const int incl = block_inclusive_scan(tiles, warp_totals);
         if (e < E)
-            moe_align_write_segment(e, count, tiles, carry + incl - tiles, block_m, start, tile_expert, sorted_ids);
+            moe_align_segment_head(e, tiles, carry + incl - tiles, block_m, start, tile_expert);
         __syncthreads(); /* everyone has read carry and warp_totals */
         if (tid == kAlignThreads - 1)
             carry += incl;
@@ -147,8 +153,8 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
     }
     __syncthreads();
 
-    /* phase 2: tiles per expert -> tile offsets; cursors, tile table, padding */
-    moe_align_segments(counts, E, block_m, cursor, sorted_ids, tile_expert, num_tiles);
+    /* phase 2: tiles per expert -> tile offsets; cursors, tile table */
+    moe_align_segments(counts, E, block_m, cursor, tile_expert, num_tiles);
 
     /* phase 3: scatter */
     for (int64_t p = tid; p < pairs; p += kAlignThreads) {
@@ -156,6 +162,8 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
         if (e >= 0)
             sorted_ids[atomicAdd(&cursor[e], 1)] = static_cast<int32_t>(p);
     }
+    __syncthreads(); /* each cursor now ends its expert's count rows */
+    moe_align_fill_padding(cursor, E, block_m, sorted_ids);
 }
 
 /* moe_align_block's sort by one warp (lane = threadIdx.x & 31), with the
