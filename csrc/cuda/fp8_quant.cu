@@ -235,6 +235,13 @@ constexpr int kTensorQuads = 8; /* rows_quant_tensor_kernel: quads per lane load
  * dividing a unit index per unit, 35-45% striding over rows with a fixed
  * chunk (H200, 2026-11-26, logs/2026-11-26-nvidia-h200-ab-tensor-quant-chunks.txt). */
 constexpr int64_t kTensorQuantUnits = 16384;
+/* Without partials to reduce (act: its amax is GEMM1's atomic) a warp per
+ * chunk pays up to twice as many units. The quantizer's share of Mixtral
+ * fp8_tensor forwards, per row against per chunk: M = 256 (21504 units)
+ * 24.7 -> 16.4 us, M = 512 (28672) 27.0 -> 22.4; past that per chunk lost:
+ * M = 1024 (43008) 35 -> 40, DeepSeek-V3 M = 1024 (40896) 24.7 -> 28.6
+ * (H200, 2026-11-26, logs/2026-11-26-nvidia-h200-ab-decode-ring-act-quant.txt). */
+constexpr int64_t kTensorQuantUnitsAtomic = 32768;
 __host__ __device__ inline int64_t tensor_quant_chunks(int64_t ldq)
 {
     return ldq > 0 ? (ldq / 4 + 32 * kTensorQuads - 1) / (32 * kTensorQuads) : 1;
@@ -552,10 +559,12 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
         dim3 grid(static_cast<unsigned>(grid_cap(rows, 4096)));
         auto kernel = rows_quant_tensor_kernel<T, false>;
         if (rows_vec4<T>(x, cols, ldx, q, ldq)) {
-            /* a warp per chunk of a row up to kTensorQuantUnits, else per row, up to 8K blocks */
+            /* a warp per chunk of a row up to kTensorQuantUnits (or
+             * kTensorQuantUnitsAtomic), else per row, up to 8K blocks */
             const int64_t units = rows * tensor_quant_chunks(ldq);
+            const int64_t limit = partials ? kTensorQuantUnits : kTensorQuantUnitsAtomic;
             grid = dim3(static_cast<unsigned>(
-                grid_cap(mx_ceil_div(units <= kTensorQuantUnits ? units : rows, kQuantThreads / 32), 8192)));
+                grid_cap(mx_ceil_div(units <= limit ? units : rows, kQuantThreads / 32), 8192)));
             kernel = rows_quant_tensor_kernel<T, true>;
         }
         return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream, static_cast<const T *>(x),
