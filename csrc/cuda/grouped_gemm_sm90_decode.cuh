@@ -202,6 +202,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
     __shared__ int32_t tile_pair[BT];
     __shared__ float tile_weight[BT];
     __shared__ const unsigned char *tile_row[BT]; /* GEMM1: the token's x row, nullptr for padding */
+    /* the bias of the tile's 128 weight rows (box 0, box 1; 0 past n_rows, on
+     * splits past the first, without a bias): loaded with the tile's rows, so
+     * that the epilogue's stores do not wait on global bias loads */
+    __shared__ float tile_bias[128];
     /* kQuantAct: the token rows' partial maxima as float bits [rank][warp of the row][token slot],
      * then each row's group scale and its reciprocal */
     __shared__ uint32_t tile_amax[kQuantAct ? 2 * (NCOL / 32) * BT : 1];
@@ -213,6 +217,13 @@ __global__ void __launch_bounds__(Shape::kThreads)
             mbar_init(full_bar(s), kRowsFromX ? 1 + kLoaders : 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         fence_proxy_async_smem();
+    }
+    {
+        static_assert(Shape::kThreads == 128, "a thread per weight row of the tile");
+        const int row = tid < 64 ? row0 + tid : row1 + tid - 64;
+        tile_bias[tid] = g.bias && split == 0 && row < g.n_rows
+                             ? mx_to_float(static_cast<const T *>(g.bias)[static_cast<int64_t>(expert) * g.n_rows + row])
+                             : 0.0f;
     }
     if (tid < BT) {
         const int32_t pair = !kLinear ? g.sorted_ids[a_row + tid] : a_row + tid < g.rows ? static_cast<int32_t>(a_row + tid) : -1;
@@ -271,6 +282,9 @@ __global__ void __launch_bounds__(Shape::kThreads)
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
+    /* the epilogue's per-tensor scale (a_scale: the previous kernel's),
+     * loaded now so that its round trip overlaps the main loop */
+    const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[expert] : 1.0f;
     if (tid < kLoaders)
         for (int kb = kb0; kb < first_end; ++kb)
             issue_a(kb);
@@ -358,9 +372,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
         }
     }
     __syncthreads();
-    const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[expert] : 1.0f;
-    const T *bias = g.bias && split == 0 ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows
-                                         : nullptr;
     const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
     const int64_t oc = g.out_cols;
     if (KIND == MX_GEMM_DOWN) {
@@ -371,8 +382,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int32_t pair = tile_pair[t];
             if (pair < 0 || col >= oc)
                 continue;
-            const float b = bias ? mx_to_float(bias[col]) : 0.0f;
-            y[static_cast<int64_t>(pair) * g.ldo + col] = (dtile[j * LDD + t] * scale + b) * tile_weight[t];
+            y[static_cast<int64_t>(pair) * g.ldo + col] = (dtile[j * LDD + t] * scale + tile_bias[j]) * tile_weight[t];
         }
     } else if (kLinear) {
         T *out = static_cast<T *>(g.out);
@@ -381,24 +391,18 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int64_t col = c + j;
             if (tile_pair[t] < 0 || col >= oc)
                 continue;
-            const float b = bias ? mx_to_float(bias[col]) : 0.0f;
-            out[(a_row + t) * g.ldo + col] = mx_from_float<T>(dtile[j * LDD + t] * scale + b);
+            out[(a_row + t) * g.ldo + col] = mx_from_float<T>(dtile[j * LDD + t] * scale + tile_bias[j]);
         }
     } else {
         /* act column j of token slot t, with scale, bias and activation */
-        auto act_value = [&](int t, int j, int64_t col) {
-            if (KIND == MX_GEMM_GATE_UP) {
-                const float bg = bias ? mx_to_float(bias[col]) : 0.0f, bu = bias ? mx_to_float(bias[oc + col]) : 0.0f;
-                return mx_act_gated(g.activation, dtile[j * LDD + t] * scale + bg,
-                                    dtile[(64 + j) * LDD + t] * scale + bu, alpha, limit);
-            }
-            if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
-                const float bg = bias ? mx_to_float(bias[2 * col]) : 0.0f, bu = bias ? mx_to_float(bias[2 * col + 1]) : 0.0f;
-                return mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + bg,
-                                    dtile[(2 * j + 1) * LDD + t] * scale + bu, alpha, limit);
-            }
-            const float b = bias ? mx_to_float(bias[col]) : 0.0f;
-            return mx_act_plain(g.activation, dtile[j * LDD + t] * scale + b);
+        auto act_value = [&](int t, int j) {
+            if (KIND == MX_GEMM_GATE_UP)
+                return mx_act_gated(g.activation, dtile[j * LDD + t] * scale + tile_bias[j],
+                                    dtile[(64 + j) * LDD + t] * scale + tile_bias[64 + j], alpha, limit);
+            if (KIND == MX_GEMM_GATE_UP_INTERLEAVED)
+                return mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + tile_bias[2 * j],
+                                    dtile[(2 * j + 1) * LDD + t] * scale + tile_bias[2 * j + 1], alpha, limit);
+            return mx_act_plain(g.activation, dtile[j * LDD + t] * scale + tile_bias[j]);
         };
         /* where the quantizing pass keeps that value: the first of the
          * dtile slots it was made from (the thread's own) */
@@ -423,7 +427,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
                 if (tile_pair[t] < 0)
                     continue;
                 const bool in = col < oc;
-                const float v = in ? mx_to_float(mx_from_float<T>(act_value(t, j, col))) : 0.0f;
+                const float v = in ? mx_to_float(mx_from_float<T>(act_value(t, j))) : 0.0f;
                 if (in)
                     *kept_at(t, j) = v;
                 const uint32_t row_max = __reduce_max_sync(0xffffffffu, __float_as_uint(mx_amax_step(0.0f, v)));
@@ -438,7 +442,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const bool live = tile_pair[t] >= 0 && col < oc;
             if (!live)
                 continue;
-            const T stored = mx_from_float<T>(act_value(t, j, col));
+            const T stored = mx_from_float<T>(act_value(t, j));
             act[(a_row + t) * g.ldo + col] = stored;
             if (kAmax)
                 amax = mx_amax_step(amax, mx_to_float(stored));
