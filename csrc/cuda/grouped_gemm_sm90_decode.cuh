@@ -202,10 +202,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
     __shared__ int32_t tile_pair[BT];
     __shared__ float tile_weight[BT];
     __shared__ const unsigned char *tile_row[BT]; /* GEMM1: the token's x row, nullptr for padding */
-    /* the bias of the tile's 128 weight rows (box 0, box 1; 0 past n_rows, on
-     * splits past the first, without a bias): loaded with the tile's rows, so
-     * that the epilogue's stores do not wait on global bias loads */
-    __shared__ float tile_bias[128];
     /* kQuantAct: the token rows' partial maxima as float bits [rank][warp of the row][token slot],
      * then each row's group scale and its reciprocal */
     __shared__ uint32_t tile_amax[kQuantAct ? 2 * (NCOL / 32) * BT : 1];
@@ -217,13 +213,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
             mbar_init(full_bar(s), kRowsFromX ? 1 + kLoaders : 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         fence_proxy_async_smem();
-    }
-    {
-        static_assert(Shape::kThreads == 128, "a thread per weight row of the tile");
-        const int row = tid < 64 ? row0 + tid : row1 + tid - 64;
-        tile_bias[tid] = g.bias && split == 0 && row < g.n_rows
-                             ? mx_to_float(static_cast<const T *>(g.bias)[static_cast<int64_t>(expert) * g.n_rows + row])
-                             : 0.0f;
     }
     if (tid < BT) {
         const int32_t pair = !kLinear ? g.sorted_ids[a_row + tid] : a_row + tid < g.rows ? static_cast<int32_t>(a_row + tid) : -1;
@@ -282,9 +271,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
-    /* the epilogue's per-tensor scale (a_scale: the previous kernel's),
-     * loaded now so that its round trip overlaps the main loop */
-    const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[expert] : 1.0f;
     if (tid < kLoaders)
         for (int kb = kb0; kb < first_end; ++kb)
             issue_a(kb);
@@ -361,6 +347,32 @@ __global__ void __launch_bounds__(Shape::kThreads)
         fence_acc(acc1);
     }
 
+    /* The epilogue's operands, loaded before the accumulators go to shared
+     * memory so that their round trips overlap that: the per-tensor scale,
+     * and the bias. Its threads walk the outputs with a stride of kThreads,
+     * a multiple of the tile's output columns, so each thread always stores
+     * the same column j = tid % (128 or NCOL) and needs the bias of one or
+     * two weight rows (0 past n_rows, on splits past the first, without a
+     * bias); read from global memory in the store loop, each bias load
+     * waited for the stores before it. (Held in registers across the main
+     * loop instead, they cost block-scaled 48-token GEMM1 its third CTA per
+     * SM: 167 -> 178 registers; in shared memory, 512 more bytes cost the
+     * 16-token tiles theirs.) */
+    const float scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[expert] : 1.0f;
+    static_assert(Shape::kThreads % 128 == 0 && Shape::kThreads % NCOL == 0, "a fixed output column per thread");
+    auto row_bias = [&](int r) { /* tile weight row r: box 0 rows, then box 1 rows */
+        const int row = r < 64 ? row0 + r : row1 + r - 64;
+        return g.bias && split == 0 && row < g.n_rows
+                   ? mx_to_float(static_cast<const T *>(g.bias)[static_cast<int64_t>(expert) * g.n_rows + row])
+                   : 0.0f;
+    };
+    const int bias_j = tid % (KIND == MX_GEMM_DOWN || kLinear ? 128 : NCOL);
+    /* bias_lo: row j (DOWN, LINEAR, UP), the gate row (GATE_UP) or 2j (interleaved); bias_hi: the up row or 2j + 1 */
+    const float bias_lo = row_bias(KIND == MX_GEMM_GATE_UP_INTERLEAVED ? 2 * bias_j : bias_j);
+    const float bias_hi = KIND == MX_GEMM_GATE_UP               ? row_bias(64 + bias_j)
+                          : KIND == MX_GEMM_GATE_UP_INTERLEAVED ? row_bias(2 * bias_j + 1)
+                                                                : 0.0f;
+
     /* epilogue: every issued load was waited for, so the ring is free */
     {
         const int r = warp * 16 + lane / 4;
@@ -382,7 +394,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int32_t pair = tile_pair[t];
             if (pair < 0 || col >= oc)
                 continue;
-            y[static_cast<int64_t>(pair) * g.ldo + col] = (dtile[j * LDD + t] * scale + tile_bias[j]) * tile_weight[t];
+            y[static_cast<int64_t>(pair) * g.ldo + col] = (dtile[j * LDD + t] * scale + bias_lo) * tile_weight[t];
         }
     } else if (kLinear) {
         T *out = static_cast<T *>(g.out);
@@ -391,18 +403,18 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int64_t col = c + j;
             if (tile_pair[t] < 0 || col >= oc)
                 continue;
-            out[(a_row + t) * g.ldo + col] = mx_from_float<T>(dtile[j * LDD + t] * scale + tile_bias[j]);
+            out[(a_row + t) * g.ldo + col] = mx_from_float<T>(dtile[j * LDD + t] * scale + bias_lo);
         }
     } else {
         /* act column j of token slot t, with scale, bias and activation */
         auto act_value = [&](int t, int j) {
             if (KIND == MX_GEMM_GATE_UP)
-                return mx_act_gated(g.activation, dtile[j * LDD + t] * scale + tile_bias[j],
-                                    dtile[(64 + j) * LDD + t] * scale + tile_bias[64 + j], alpha, limit);
+                return mx_act_gated(g.activation, dtile[j * LDD + t] * scale + bias_lo,
+                                    dtile[(64 + j) * LDD + t] * scale + bias_hi, alpha, limit);
             if (KIND == MX_GEMM_GATE_UP_INTERLEAVED)
-                return mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + tile_bias[2 * j],
-                                    dtile[(2 * j + 1) * LDD + t] * scale + tile_bias[2 * j + 1], alpha, limit);
-            return mx_act_plain(g.activation, dtile[j * LDD + t] * scale + tile_bias[j]);
+                return mx_act_gated(MX_ACT_SWIGLUOAI, dtile[2 * j * LDD + t] * scale + bias_lo,
+                                    dtile[(2 * j + 1) * LDD + t] * scale + bias_hi, alpha, limit);
+            return mx_act_plain(g.activation, dtile[j * LDD + t] * scale + bias_lo);
         };
         /* where the quantizing pass keeps that value: the first of the
          * dtile slots it was made from (the thread's own) */
