@@ -103,12 +103,12 @@ def stale_zero_memory():
 
 
 @pytest.mark.parametrize("e, k, pairs", [
-    (8, 2, 2000),    # one block
-    (128, 8, 3000),  # one block
-    (8, 2, 8192),    # 32 lanes per expert in the scan
-    (128, 8, 8192),  # 8 lanes per expert
-    (256, 8, 16384),  # 4 lanes per expert, 16 chunks: 4 rounds
-    (1100, 8, 8192),  # more experts than threads: two sweeps of one lane each
+    (8, 2, 2000),    # the one-block sort
+    (128, 8, 3000),  # the one-block sort, more experts than its 32 warps
+    (8, 2, 8192),    # the split sort (8 chunks): its scan fills the padding
+    (128, 8, 8192),  # the split sort, more experts than warps
+    (256, 8, 16384),  # the split sort, 16 chunks
+    (1100, 8, 8192),  # more experts than the scan's 1024 threads
 ])
 def test_sort_padding_rows_over_stale_memory(e, k, pairs, gen):
     """The rows between an expert's pairs and its next block_m boundary are -1 even where the
