@@ -4,9 +4,10 @@
  * Up to kSplitPairs pairs one block sorts them all (moe_align_kernel). One
  * block reads the ids at a few loads in flight per thread, so past that the
  * pairs are cut into chunks of kChunkPairs, one block each, in three
- * launches (H200, shares of the forward in us, one block / split: 8192
- * pairs 19.3 / 13.6, 4096 pairs 8.8 / 8.8, 2048 pairs 5.5 / 8.4, measured
- * when each thread still wrote its expert's padding rows one by one):
+ * launches (H200, shares of the forward in us, one block / split, since
+ * the padding rows are filled a warp per expert: 4096 pairs 7.9 / 7.2
+ * (qwen3moe, gpt-oss) and 9.0 / 8.6 (DeepSeek-V3), 2048 pairs 5.7 / 6.8,
+ * logs/2026-11-26-nvidia-h200-ab-sort-split-point.txt):
  * moe_align_count_kernel (each chunk's per-expert counts into
  * block_counts [chunks, E_local] of the workspace), moe_align_scan_kernel
  * (one block: expert totals, the segments as moe_align_block's phase 2,
@@ -20,7 +21,7 @@
 
 namespace {
 
-constexpr int64_t kSplitPairs = 4096;
+constexpr int64_t kSplitPairs = 2048;
 constexpr int64_t kChunkPairs = 1024;
 constexpr int kMaxChunks = 128;
 constexpr int kChunkThreads = 256;
