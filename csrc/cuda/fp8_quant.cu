@@ -242,6 +242,15 @@ constexpr int64_t kTensorQuantUnits = 16384;
  * M = 1024 (43008) 35 -> 40, DeepSeek-V3 M = 1024 (40896) 24.7 -> 28.6
  * (H200, 2026-11-26, logs/2026-11-26-nvidia-h200-ab-decode-ring-act-quant.txt). */
 constexpr int64_t kTensorQuantUnitsAtomic = 32768;
+/* x of at most this many elements (4-element aligned rows) is quantized per
+ * tensor by one block in one launch (rows_quant_tensor_one_block_kernel),
+ * whose threads walk the amax pass one 4-element load at a time: against
+ * the two launches, forwards at M = 1 (fp8_tensor, H200, 2026-11-26,
+ * logs/2026-11-26-nvidia-h200-ab-x-quant-one-block.txt) qwen3moe (2048
+ * elements) 29.0 -> 27.4 us, Mixtral (4096) 108.0 -> 106.3, DeepSeek-V3
+ * (7168) 108.6 -> 106.3; at 16384 (qwen3moe M = 8) 88.7 -> 94.6 (the
+ * quantizer 15 us: 16 serial loads a thread). */
+constexpr int64_t kTensorQuantOneBlock = 8192;
 __host__ __device__ inline int64_t tensor_quant_chunks(int64_t ldq)
 {
     return ldq > 0 ? (ldq / 4 + 32 * kTensorQuads - 1) / (32 * kTensorQuads) : 1;
@@ -304,17 +313,16 @@ __global__ void __launch_bounds__(kQuantThreads)
 
 /* kVec4 (here and in rows_quant_tensor_kernel): 4-element aligned rows (x,
  * q, cols, ldx, ldq); each thread takes 4 consecutive columns at a time. */
+/* The thread's amax over rows first, first + step, ... of the valid rows
+ * (this block's share). */
 template <typename T, bool kVec4>
-__global__ void __launch_bounds__(kQuantThreads)
-    rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
-                     float *__restrict__ partials, uint32_t *reset)
+__device__ __forceinline__ float rows_amax_part(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
+                                                const mx_fp8_row_filter &f, int64_t first, int64_t step)
 {
-    mx_griddep_wait();
-    mx_griddep_launch_dependents();
     constexpr int kStep = kVec4 ? 4 : 1;
     float m = 0.0f;
     const int64_t live = live_rows(f, rows);
-    for (int64_t row = blockIdx.x; row < live; row += gridDim.x) {
+    for (int64_t row = first; row < live; row += step) {
         if (!row_valid(f, row))
             continue;
         for (int64_t c = kStep * threadIdx.x; c < cols; c += kStep * kQuantThreads) {
@@ -329,11 +337,42 @@ __global__ void __launch_bounds__(kQuantThreads)
             }
         }
     }
-    m = block_max(m);
+    return m;
+}
+
+template <typename T, bool kVec4>
+__global__ void __launch_bounds__(kQuantThreads)
+    rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
+                     float *__restrict__ partials, uint32_t *reset)
+{
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
+    const float m = block_max(rows_amax_part<T, kVec4>(x, rows, cols, ldx, f, blockIdx.x, gridDim.x));
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = m;
         if (reset && blockIdx.x == 0)
             *reset = 0u;
+    }
+}
+
+/* One chunk of a 4-element aligned row: lane l quantizes quads q0 + 32 i
+ * (i < kTensorQuads) of xr into qr with the tensor scale's reciprocal inv,
+ * all loads before the stores; columns cols..ldq get zeros. */
+template <typename T>
+__device__ __forceinline__ void quant_tensor_chunk(const T *xr, uint8_t *qr, int64_t q0, int64_t cols, int64_t ldq,
+                                                   float inv)
+{
+    float v[kTensorQuads][4];
+#pragma unroll
+    for (int i = 0; i < kTensorQuads; ++i)
+        if (4 * (q0 + 32 * i) < cols)
+            load4(xr + 4 * (q0 + 32 * i), v[i]);
+#pragma unroll
+    for (int i = 0; i < kTensorQuads; ++i) {
+        const int64_t c = 4 * (q0 + 32 * i);
+        if (c >= ldq)
+            break;
+        store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
     }
 }
 
@@ -370,22 +409,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         const int64_t quads = ldq / 4, chunks = tensor_quant_chunks(ldq);
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5);
         const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32), live = live_rows(f, rows);
-        auto chunk = [&](int64_t row, int64_t q0) {
-            const T *xr = x + row * ldx;
-            uint8_t *qr = q + row * ldq;
-            float v[kTensorQuads][4];
-#pragma unroll
-            for (int i = 0; i < kTensorQuads; ++i)
-                if (4 * (q0 + 32 * i) < cols)
-                    load4(xr + 4 * (q0 + 32 * i), v[i]);
-#pragma unroll
-            for (int i = 0; i < kTensorQuads; ++i) {
-                const int64_t c = 4 * (q0 + 32 * i);
-                if (c >= ldq)
-                    break;
-                store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
-            }
-        };
+        auto chunk = [&](int64_t row, int64_t q0) { quant_tensor_chunk(x + row * ldx, q + row * ldq, q0, cols, ldq, inv); };
         if (live * chunks <= warps) {
             const int64_t row = warp / chunks;
             if (row < live && row_valid(f, row))
@@ -408,6 +432,34 @@ __global__ void __launch_bounds__(kQuantThreads)
                                      ? mx_fp8_encode(__fmul_rn(mx_to_float(x[row * ldx + c]), inv))
                                      : static_cast<uint8_t>(0);
         }
+    }
+}
+
+/* rows_amax_kernel + rows_quant_tensor_kernel in one block, for an x of at
+ * most kTensorQuantOneBlock elements (decode): the amax of the valid rows,
+ * the scale (and the reset of act's amax), then a warp per row quantizes
+ * it. The same bits as the two launches, one launch and one wait less. */
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    rows_quant_tensor_one_block_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
+                                       const mx_fp8_row_filter f, uint32_t *reset, uint8_t *__restrict__ q,
+                                       int64_t ldq, float *__restrict__ scale)
+{
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
+    const float s = mx_fp8_tensor_scale(block_max(rows_amax_part<T, true>(x, rows, cols, ldx, f, 0, 1)));
+    const float inv = __fdiv_rn(1.0f, s);
+    if (threadIdx.x == 0) {
+        *scale = s;
+        if (reset)
+            *reset = 0u;
+    }
+    const int64_t quads = ldq / 4, live = live_rows(f, rows);
+    for (int64_t row = threadIdx.x >> 5; row < live; row += kQuantThreads / 32) {
+        if (!row_valid(f, row))
+            continue;
+        for (int64_t q0 = threadIdx.x & 31; q0 < quads; q0 += 32 * kTensorQuads)
+            quant_tensor_chunk(x + row * ldx, q + row * ldq, q0, cols, ldq, inv);
     }
 }
 
@@ -608,6 +660,21 @@ extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t row
     if (quant == MX_QUANT_FP8_BLOCK)
         return mx_cuda_fp8_rows_quant_group(x, dt, rows, cols, ldx, kFp8Block, filter, q, ldq, scales, scale_ld,
                                             stream);
+    if (rows * cols <= kTensorQuantOneBlock) {
+        bool launched = false;
+        const mx_status st = by_dtype(dt, [&](auto tag) {
+            using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+            if (!rows_vec4<T>(x, cols, ldx, q, ldq))
+                return mx_status_ok();
+            launched = true;
+            return mx_check_call(mx_launch_after(rows_quant_tensor_one_block_kernel<T>, dim3(1), dim3(kQuantThreads), 0,
+                                                 stream, static_cast<const T *>(x), rows, cols, ldx, *filter, reset, q,
+                                                 ldq, scales),
+                                 "rows_quant_tensor_one_block_kernel");
+        });
+        if (launched || st.code != MX_OK)
+            return st;
+    }
     mx_status st = mx_cuda_fp8_rows_amax(x, dt, rows, cols, ldx, filter, partials, reset, stream);
     if (st.code != MX_OK)
         return st;
