@@ -311,10 +311,10 @@ __global__ void __launch_bounds__(kQuantThreads)
 
 /* ---- pipeline per tensor ------------------------------------------------------ */
 
-/* kVec4 (here and in rows_quant_tensor_kernel): 4-element aligned rows (x,
- * q, cols, ldx, ldq); each thread takes 4 consecutive columns at a time. */
 /* The thread's amax over rows first, first + step, ... of the valid rows
- * (this block's share). */
+ * (this block's share). kVec4 (here and in rows_quant_tensor_kernel):
+ * 4-element aligned rows (x, q, cols, ldx, ldq); each thread takes 4
+ * consecutive columns at a time. */
 template <typename T, bool kVec4>
 __device__ __forceinline__ float rows_amax_part(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                                                 const mx_fp8_row_filter &f, int64_t first, int64_t step)
