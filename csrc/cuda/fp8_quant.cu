@@ -660,23 +660,17 @@ extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t row
     if (quant == MX_QUANT_FP8_BLOCK)
         return mx_cuda_fp8_rows_quant_group(x, dt, rows, cols, ldx, kFp8Block, filter, q, ldq, scales, scale_ld,
                                             stream);
-    if (rows * cols <= kTensorQuantOneBlock) {
-        bool launched = false;
-        const mx_status st = by_dtype(dt, [&](auto tag) {
-            using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-            if (!rows_vec4<T>(x, cols, ldx, q, ldq))
-                return mx_status_ok();
-            launched = true;
+    return by_dtype(dt, [&](auto tag) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        if (rows * cols <= kTensorQuantOneBlock && rows_vec4<T>(x, cols, ldx, q, ldq))
             return mx_check_call(mx_launch_after(rows_quant_tensor_one_block_kernel<T>, dim3(1), dim3(kQuantThreads), 0,
                                                  stream, static_cast<const T *>(x), rows, cols, ldx, *filter, reset, q,
                                                  ldq, scales),
                                  "rows_quant_tensor_one_block_kernel");
-        });
-        if (launched || st.code != MX_OK)
+        const mx_status st = mx_cuda_fp8_rows_amax(x, dt, rows, cols, ldx, filter, partials, reset, stream);
+        if (st.code != MX_OK)
             return st;
-    }
-    mx_status st = mx_cuda_fp8_rows_amax(x, dt, rows, cols, ldx, filter, partials, reset, stream);
-    if (st.code != MX_OK)
-        return st;
-    return mx_cuda_fp8_rows_quant_tensor(x, dt, rows, cols, ldx, filter, partials, nullptr, q, ldq, scales, stream);
+        return mx_cuda_fp8_rows_quant_tensor(x, dt, rows, cols, ldx, filter, partials, nullptr, q, ldq, scales,
+                                             stream);
+    });
 }
