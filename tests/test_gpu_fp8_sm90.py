@@ -140,7 +140,7 @@ def test_fp8_decode_down_walks_many_units(method, rows_per_expert, i, gen):
         names = kernels_of(lambda: layer(x, logits))
         tile = expected_gemm_kernel(m * k / e)
         persistent = any(DECODE_DOWN_FP8 in n and tile in n for n in names)
-        down_kind = f", 3, {1 if method == 'tensor' else 2}>"  # template arguments MX_GEMM_DOWN, quant
+        down_kind = f">, 3, {1 if method == 'tensor' else 2}>"  # after the shape: MX_GEMM_DOWN, quant
         decode_down = any(DECODE_FP8 in n and tile in n and down_kind in n for n in names)
         assert (persistent, decode_down) == (i == 256, i == 1280), names
 

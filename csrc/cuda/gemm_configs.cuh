@@ -118,16 +118,18 @@ typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
 /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per
  * CTA, 128 weight rows (wgmma m, two boxes of 64) x BT tokens (wgmma n) x
- * 128 bytes of K per stage. The float32 epilogue tile [128][BT + 1] reuses
- * the drained ring. */
-template <int BT, int STAGES>
+ * CHUNKS k blocks of 128 bytes of K per stage. The float32 epilogue tile
+ * [128][BT + 1] reuses the drained ring. */
+template <int BT, int STAGES, int CHUNKS = 1>
 struct mx_sm90_decode_shape {
     static constexpr int kBlockT = BT;         /* tokens (sorted rows) per tile: moe_align's block_m */
     static constexpr int kStages = STAGES;
+    static constexpr int kChunks = CHUNKS;     /* k blocks (128 bytes of K) per stage */
     static constexpr int kThreads = 128;
     static constexpr uint32_t kWBytes = 128 * 128;
     static constexpr uint32_t kABytes = BT * 128;
-    static constexpr uint32_t kStageBytes = kWBytes + kABytes;
+    static constexpr uint32_t kBlockBytes = kWBytes + kABytes;
+    static constexpr uint32_t kStageBytes = CHUNKS * kBlockBytes;
     static constexpr int kLdd = BT + 1;
     static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 8 * STAGES;
 
@@ -157,6 +159,20 @@ typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
  * (bf16 M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
 template <typename Shape>
 using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::kBlockT == 16 ? 4 : 3>;
+/* 16-bit GEMM1 on 16-token tiles over rows of at least
+ * kSm90DecodeLongRowBytes: stages of two k blocks (each weight row's 256
+ * contiguous bytes requested together, L2 promotion 128B instead of 256B),
+ * 3 stages of 36 KB, 2 CTAs per SM. A TMA read probe on an H200 (no math;
+ * 128-row tiles, 3 CTAs per SM) streamed 4.45-4.52 TB/s in this pattern
+ * against 4.06-4.34 for one k block per stage with 256B promotion, at every
+ * K from 768 to 14336. In the layer it pays only where a CTA's rows are
+ * long: Mixtral bf16 (8 KB rows) M = 8 485 -> 441 us, M = 1 183 -> 181,
+ * M = 32 679 -> 675; qwen3moe (4 KB rows) M = 1 35.5 -> 45 us (96 CTAs, one
+ * per SM: the 256B promotion's implicit read-ahead matters there), M = 8
+ * / 64 +1%; FP8 with 4 KB rows (Mixtral fp8_tensor M = 8) +4.5% (H200,
+ * 2026-11-26, benchmarks/NOTES.md). */
+typedef mx_sm90_decode_shape<16, 3, 2> mx_tile_sm90_decode_long;
+constexpr int64_t kSm90DecodeLongRowBytes = 8192;
 
 enum mx_tile_config {
     MX_TILE_DECODE = 0,

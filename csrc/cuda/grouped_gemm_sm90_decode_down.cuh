@@ -53,6 +53,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
 {
 #if MX_SM90_DEVICE_PASS
     constexpr int BT = Shape::kBlockT, STAGES = Shape::kStages;
+    static_assert(Shape::kChunks == 1, "one k block per stage");
     constexpr int NACC = BT / 2, NTOK = BT / 4; /* accumulators of one m64nBT wgmma, tokens, per thread */
     constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;

@@ -374,6 +374,7 @@ struct sm90_map_key {
     uint64_t dims[3];       /* elements, innermost first */
     uint64_t strides[2];    /* bytes of dims 1, 2 */
     uint32_t box[3];
+    int promotion;          /* CUtensorMapL2promotion */
 };
 
 /* Tensor maps are pure host encodings of (address, shape, box): no device
@@ -400,7 +401,7 @@ inline int sm90_tensor_map(const sm90_map_key &key, CUtensorMap *out, mx_status 
     CUresult r = encode(out, static_cast<CUtensorMapDataType>(key.dtype),
                         static_cast<cuuint32_t>(key.rank), const_cast<void *>(key.addr), key.dims, key.strides, key.box,
                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                        static_cast<CUtensorMapL2promotion>(key.promotion), CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         *st = mx_status_fail(MX_ERR_CUDA,
                              "grouped_gemm_sm90: cuTensorMapEncodeTiled error %d (rank %d, dims %llu x %llu x %llu, "
@@ -437,7 +438,8 @@ template <> struct sm90_dtype<__nv_fp8_e4m3> {
  * (message in *st). */
 template <typename TA>
 int sm90_kmajor_map(const void *base, int rank, int64_t k, int64_t rows, int64_t row_stride, int64_t experts,
-                    int64_t expert_stride, int box_rows, CUtensorMap *map, mx_status *st)
+                    int64_t expert_stride, int box_rows, CUtensorMap *map, mx_status *st,
+                    int promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
 {
     sm90_map_key key;
     memset(&key, 0, sizeof key);
@@ -452,6 +454,7 @@ int sm90_kmajor_map(const void *base, int rank, int64_t k, int64_t rows, int64_t
     key.box[0] = 128 / sizeof(TA);
     key.box[1] = static_cast<uint32_t>(box_rows);
     key.box[2] = 1;
+    key.promotion = promotion;
     return sm90_tensor_map(key, map, st);
 }
 
@@ -468,9 +471,9 @@ int sm90_rows_map(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, in
  * expert. */
 template <typename TA>
 int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, int w_box_rows, CUtensorMap *map,
-                    mx_status *st)
+                    mx_status *st, int promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
 {
-    return sm90_kmajor_map<TA>(w, 3, k, n_rows, k, experts, n_rows * k, w_box_rows, map, st);
+    return sm90_kmajor_map<TA>(w, 3, k, n_rows, k, experts, n_rows * k, w_box_rows, map, st, promotion);
 }
 
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};
