@@ -163,14 +163,21 @@ using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::k
  * kSm90DecodeLongRowBytes: stages of two k blocks (each weight row's 256
  * contiguous bytes requested together, L2 promotion 128B instead of 256B),
  * 3 stages of 36 KB, 2 CTAs per SM. A TMA read probe on an H200 (no math;
- * 128-row tiles, 3 CTAs per SM) streamed 4.45-4.52 TB/s in this pattern
- * against 4.06-4.34 for one k block per stage with 256B promotion, at every
- * K from 768 to 14336. In the layer it pays only where a CTA's rows are
- * long: Mixtral bf16 (8 KB rows) M = 8 485 -> 441 us, M = 1 183 -> 181,
- * M = 32 679 -> 675; qwen3moe (4 KB rows) M = 1 35.5 -> 45 us (96 CTAs, one
- * per SM: the 256B promotion's implicit read-ahead matters there), M = 8
- * / 64 +1%; FP8 with 4 KB rows (Mixtral fp8_tensor M = 8) +4.5% (H200,
- * 2026-11-26, benchmarks/NOTES.md). */
+ * 128-row tiles, 3 CTAs per SM; benchmarks/tma_stream_probe.cu) streamed
+ * 4.45-4.52 TB/s in this pattern against 4.06-4.34 for one k block per
+ * stage with 256B promotion, at every K from 768 to 14336. In the layer it
+ * pays only where a CTA's rows are long: Mixtral bf16 (8 KB rows) M = 8
+ * 484 -> 435 us, M = 1 182.6 -> 178.4, M = 32 675 -> 668, 17 other points
+ * flat; on every tile, or with 4 KB rows, it lost: qwen3moe M = 1 35.5 ->
+ * 45 us (96 CTAs, one per SM: there the 256B promotion's read-ahead of
+ * each row's next 128 bytes is what keeps enough bytes in flight), M = 8 /
+ * 64 +1%; FP8 with 4 KB rows (Mixtral fp8_tensor M = 8) +4.5%; 32- to
+ * 64-token tiles (2 stages, 2 CTAs per SM) up to +35%. The promotion
+ * alone, one k block per stage: GEMM1 +2..+4%, but GEMM2 on 16-token tiles
+ * -0.2..-1% per forward (16-bit with rows under 8 KB: qwen3moe, gpt-oss;
+ * FP8 decode_down at every row length), Mixtral bf16 GEMM2 (28 KB rows)
+ * +0.4% at M = 32, so those GEMM2s take 128B too (H200, 2026-11-26,
+ * benchmarks/NOTES.md). */
 typedef mx_sm90_decode_shape<16, 3, 2> mx_tile_sm90_decode_long;
 constexpr int64_t kSm90DecodeLongRowBytes = 8192;
 

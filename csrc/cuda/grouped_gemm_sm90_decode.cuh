@@ -578,9 +578,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
      * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
      * then the weight map again, never read. */
     CUtensorMap map_a, map_w;
-    /* stages of several k blocks request each row's bytes together: L2
-     * promotion 128B (gemm_configs.cuh mx_tile_sm90_decode_long) */
-    const int promotion = Shape::kChunks > 1 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    /* L2 promotion 128B where stages of several k blocks request each row's
+     * bytes together, and for 16-bit GEMM2 on 16-token tiles over rows
+     * shorter than kSm90DecodeLongRowBytes; else 256B (gemm_configs.cuh
+     * kSm90DecodeLongRowBytes has the measurements) */
+    const bool short_down = KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_NONE && Shape::kBlockT == 16 &&
+                            g.k * static_cast<int64_t>(sizeof(TA)) < kSm90DecodeLongRowBytes;
+    const int promotion = Shape::kChunks > 1 || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                           : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st, promotion))
         return st;
     if (decode_rows_from_x(KIND))
