@@ -3,9 +3,10 @@
  * TMA boxes (64 columns = 128 bytes x box rows, 128B swizzle) and do no
  * math, so each line is the rate a load pattern allows: rows per CTA,
  * k blocks (128 bytes of K) per stage, stages, CTAs per SM and the tensor
- * map's L2 promotion. A plain LDG.128 stream and cudaMemset give the
- * ceilings of the same run. Not part of the package or its tests; build and
- * run on an sm_90a GPU:
+ * map's L2 promotion; then small grids of back-to-back launches (the time
+ * a grid of a few hundred tiles takes, ramp and tail included). A plain
+ * LDG.128 stream and cudaMemset give the ceilings of the same run. Not
+ * part of the package or its tests; build and run on an sm_90a GPU:
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
  *        -o /tmp/tma_stream_probe benchmarks/tma_stream_probe.cu -lcuda
  *   /tmp/tma_stream_probe
@@ -173,6 +174,44 @@ static void probe(const char *name, void *p, long long rows, int k, int ctas_per
            promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", tiles, per_sm, tbs);
 }
 
+/* Small grids: `ctas` CTAs of one tile each, 30 launches back to back,
+ * each over its own slice of the buffer (no L2 reuse between launches);
+ * microseconds per launch. */
+template <int ROWS, int BOXR, int KCH, int STAGES>
+static void small_grid(const char *name, void *p, long long bytes, int k, int ctas, int ctas_per_sm, int *sink,
+                       CUtensorMapL2promotion promotion)
+{
+    auto kernel = tma_stream<ROWS, BOXR, KCH, STAGES>;
+    const int smem = std::min(233472 / ctas_per_sm - 2048, 227 * 1024 - 2048);
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const long long slice = (long long)ctas * ROWS * k * 2;
+    const int slices = (int)(bytes / slice);
+    std::vector<CUtensorMap> maps;
+    for (int i = 0; i < 30; ++i)
+        maps.push_back(rows_map((char *)p + (long long)(i % slices) * slice, (long long)ctas * ROWS, k, BOXR, promotion));
+    cudaEvent_t t0, t1;
+    CHECK(cudaEventCreate(&t0));
+    CHECK(cudaEventCreate(&t1));
+    std::vector<float> us;
+    for (int rep = 0; rep < 5; ++rep) {
+        CHECK(cudaEventRecord(t0));
+        for (int i = 0; i < 30; ++i)
+            kernel<<<ctas, 128, smem>>>(maps[i], k, sink);
+        CHECK(cudaEventRecord(t1));
+        CHECK(cudaEventSynchronize(t1));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, t0, t1));
+        us.push_back(ms * 1e3f / 30);
+    }
+    CHECK(cudaGetLastError());
+    CHECK(cudaEventDestroy(t0));
+    CHECK(cudaEventDestroy(t1));
+    std::sort(us.begin(), us.end());
+    printf("%-40s K=%5d promotion %s %4d CTAs  %.2f us per launch, %.3f TB/s\n", name, k,
+           promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", ctas, us[2],
+           slice / (us[2] * 1e-6) / 1e12);
+}
+
 int main()
 {
     void *entry = nullptr;
@@ -211,6 +250,14 @@ int main()
         probe<64, 64, 2, 4>("64 rows, 2 k blocks x 4 stages", p, rows, k, 3, sink, p128);
         probe<32, 32, 4, 4>("32 rows, 4 k blocks x 4 stages", p, rows, k, 3, sink, p128);
     }
+    /* qwen3moe's GEMM1 at M = 1 is 96 tiles of 128 rows x 2048 (50 MB) */
+    for (int ctas : {96, 132, 192, 264, 396, 792}) {
+        small_grid<128, 64, 1, 4>("128 rows, 1 k block x 4 stages", p, bytes, 2048, ctas, 3, sink, p256);
+        small_grid<128, 64, 1, 12>("128 rows, 1 k block x 12 stages", p, bytes, 2048, ctas, 1, sink, p256);
+        small_grid<128, 64, 2, 3>("128 rows, 2 k blocks x 3 stages", p, bytes, 2048, ctas, 2, sink, p128);
+    }
+    for (int ctas : {192, 264, 396})
+        small_grid<64, 64, 2, 4>("64 rows, 2 k blocks x 4 stages", p, bytes, 2048, ctas, 3, sink, p128);
     CHECK(cudaDeviceSynchronize());
     return 0;
 }
