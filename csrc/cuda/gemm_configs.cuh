@@ -118,18 +118,16 @@ typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
 /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per
  * CTA, 128 weight rows (wgmma m, two boxes of 64) x BT tokens (wgmma n) x
- * CHUNKS k blocks of 128 bytes of K per stage. The float32 epilogue tile
- * [128][BT + 1] reuses the drained ring. */
-template <int BT, int STAGES, int CHUNKS = 1>
+ * 128 bytes of K per stage. The float32 epilogue tile [128][BT + 1] reuses
+ * the drained ring. */
+template <int BT, int STAGES>
 struct mx_sm90_decode_shape {
     static constexpr int kBlockT = BT;         /* tokens (sorted rows) per tile: moe_align's block_m */
     static constexpr int kStages = STAGES;
-    static constexpr int kChunks = CHUNKS;     /* k blocks (128 bytes of K) per stage */
     static constexpr int kThreads = 128;
     static constexpr uint32_t kWBytes = 128 * 128;
     static constexpr uint32_t kABytes = BT * 128;
-    static constexpr uint32_t kBlockBytes = kWBytes + kABytes;
-    static constexpr uint32_t kStageBytes = CHUNKS * kBlockBytes;
+    static constexpr uint32_t kStageBytes = kWBytes + kABytes;
     static constexpr int kLdd = BT + 1;
     static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 8 * STAGES;
 
@@ -159,27 +157,22 @@ typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
  * (bf16 M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
 template <typename Shape>
 using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::kBlockT == 16 ? 4 : 3>;
-/* 16-bit GEMM1 on 16-token tiles over rows of at least
- * kSm90DecodeLongRowBytes: stages of two k blocks (each weight row's 256
- * contiguous bytes requested together, L2 promotion 128B instead of 256B),
- * 3 stages of 36 KB, 2 CTAs per SM. A TMA read probe on an H200 (no math;
- * 128-row tiles, 3 CTAs per SM; benchmarks/tma_stream_probe.cu) streamed
- * 4.45-4.52 TB/s in this pattern against 4.06-4.34 for one k block per
- * stage with 256B promotion, at every K from 768 to 14336. In the layer it
- * pays only where a CTA's rows are long: Mixtral bf16 (8 KB rows) M = 8
- * 484 -> 435 us, M = 1 182.6 -> 178.4, M = 32 675 -> 668, 17 other points
- * flat; on every tile, or with 4 KB rows, it lost: qwen3moe M = 1 35.5 ->
- * 45 us (96 CTAs, one per SM: there the 256B promotion's read-ahead of
- * each row's next 128 bytes is what keeps enough bytes in flight), M = 8 /
- * 64 +1%; FP8 with 4 KB rows (Mixtral fp8_tensor M = 8) +4.5%; 32- to
- * 64-token tiles (2 stages, 2 CTAs per SM) up to +35%. The promotion
- * alone, one k block per stage: GEMM1 +2..+4%, but GEMM2 on 16-token tiles
- * -0.2..-1% per forward (16-bit with rows under 8 KB: qwen3moe, gpt-oss;
- * FP8 decode_down at every row length), Mixtral bf16 GEMM2 (28 KB rows)
- * +0.4% at M = 32, so those GEMM2s take 128B too (H200, 2026-11-26,
- * benchmarks/NOTES.md). */
-typedef mx_sm90_decode_shape<16, 3, 2> mx_tile_sm90_decode_long;
-constexpr int64_t kSm90DecodeLongRowBytes = 8192;
+/* GEMM2's weight maps on 16-token tiles take L2 promotion 128B instead of
+ * 256B: the FP8 decode_down at any row length, the 16-bit decode kernel
+ * over rows shorter than kSm90DecodeDownShortRowBytes. bench_moe A/B (the
+ * grid's routing, two rounds, H200, 2026-11-26): qwen3moe bf16 M = 8 129.3
+ * -> 127.0 us, gpt-oss bf16 M = 64 1315 -> 1297, Mixtral fp8_block M = 8
+ * 277.7 -> 274.9, DeepSeek-V3 fp8_tensor M = 1 105.2 -> 103.9; -0.3..-1.8%
+ * at every affected point. Mixtral bf16 GEMM2 (28 KB rows) lost 1.7% at
+ * M = 32 (profile_layer). Everything else keeps 256B: where a stage is one
+ * k block of 128 bytes per row, the promotion's read-ahead of each row's
+ * next 128 bytes keeps bytes in flight (promotion 128B on every map: GEMM1
+ * +2..+5%). Two k blocks per stage with promotion 128B, the pattern a TMA
+ * read probe streamed fastest (benchmarks/tma_stream_probe.cu: 4.45-4.52
+ * TB/s against 4.06-4.34 for the decode kernel's), was slower or
+ * routing-dependent in the layer (benchmarks/NOTES.md, "Two k blocks per
+ * decode stage"). */
+constexpr int64_t kSm90DecodeDownShortRowBytes = 8192;
 
 enum mx_tile_config {
     MX_TILE_DECODE = 0,

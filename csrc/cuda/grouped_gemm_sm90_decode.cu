@@ -2,9 +2,9 @@
  * operands, and float8_e4m3 operands with per-tensor or 128x128 block
  * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
  * tiles (GEMM1 kinds with fewer stages: gemm_configs.cuh
- * mx_sm90_decode_gemm1_shape; 16-bit GEMM1 on 16-token tiles over long
- * rows with two k blocks per stage: mx_tile_sm90_decode_long). The four
- * expert kinds and LINEAR run grouped_gemm_sm90_decode.cuh; FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
+ * mx_sm90_decode_gemm1_shape). The four expert kinds and LINEAR run
+ * grouped_gemm_sm90_decode.cuh;
+ * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
  * rule (sm90_decode_down_grid) says that pays. */
 #include <math.h>
 
@@ -12,20 +12,21 @@
 
 namespace {
 
-/* GEMM1 on the shallow ring (Shallow: mx_sm90_decode_gemm1_shape, 3 CTAs
- * per SM, or mx_tile_sm90_decode_long, 2), except 16-token tiles whose grid
- * is more than one wave of it with the last wave under a third full: those
- * keep the deep ring (2 per SM). Mixtral at M = 1 (448 CTAs: 1.13 waves of
- * 396, against 1.7 of 264) lost 3-6% per forward on the shallow ring;
- * qwen3moe at M = 8 (~684 CTAs in use, 1.73 waves) gained 3-6% (H200,
- * 5c39a5a against 0d4cd5f). The grid counts the tiles likely in use, not
- * the worst case (qwen3moe M = 8: 68 m tiles, 816 CTAs, read as a sparse
- * last wave at 108e79a): with g.pairs pairs routed uniformly,
- * E (1 - (1 - 1/E)^pairs) experts hold one, plus a tile per kBlockT pairs. */
-template <typename TA, typename T, typename Shape, typename Shallow, int KIND, int QUANT>
-mx_status launch_sm90_decode_gemm1_ring(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
-                                        int64_t m_tiles, cudaStream_t stream)
+/* GEMM1 on the shallow ring (mx_sm90_decode_gemm1_shape: 3 CTAs per SM),
+ * except 16-token tiles whose grid is more than one wave of it with the last
+ * wave under a third full: those keep the deep ring (2 per SM). Mixtral at
+ * M = 1 (448 CTAs: 1.13 waves of 396, against 1.7 of 264) lost 3-6% per
+ * forward on the shallow ring; qwen3moe at M = 8 (~684 CTAs in use, 1.73
+ * waves) gained 3-6% (H200, 5c39a5a against 0d4cd5f). The grid counts the
+ * tiles likely in use, not the worst case (qwen3moe M = 8: 68 m tiles, 816
+ * CTAs, read as a sparse last wave at 108e79a): with g.pairs pairs routed
+ * uniformly, E (1 - (1 - 1/E)^pairs) experts hold one, plus a tile per
+ * kBlockT pairs. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
+                                   int64_t m_tiles, cudaStream_t stream)
 {
+    typedef mx_sm90_decode_gemm1_shape<Shape> Shallow;
     if constexpr (Shape::kBlockT == 16) {
         int slots = 0;
         const mx_status st = sm90_decode_opt_in<TA, T, Shallow, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
@@ -42,21 +43,6 @@ mx_status launch_sm90_decode_gemm1_ring(const mx_gemm_args &g, const mx_sm90_sca
             return launch_sm90_decode<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
     }
     return launch_sm90_decode<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
-}
-
-/* 16-bit GEMM1 on 16-token tiles with rows of at least
- * kSm90DecodeLongRowBytes takes the long-row ring (gemm_configs.cuh
- * mx_tile_sm90_decode_long); every other GEMM1 the shallow one. */
-template <typename TA, typename T, typename Shape, int KIND, int QUANT>
-mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
-                                   int64_t m_tiles, cudaStream_t stream)
-{
-    if constexpr (Shape::kBlockT == 16 && sizeof(TA) == 2)
-        if (g.k * static_cast<int64_t>(sizeof(TA)) >= kSm90DecodeLongRowBytes)
-            return launch_sm90_decode_gemm1_ring<TA, T, Shape, mx_tile_sm90_decode_long, KIND, QUANT>(
-                g, sc, local_experts, m_tiles, stream);
-    return launch_sm90_decode_gemm1_ring<TA, T, Shape, mx_sm90_decode_gemm1_shape<Shape>, KIND, QUANT>(
-        g, sc, local_experts, m_tiles, stream);
 }
 
 template <typename TA, typename T, typename Shape, int QUANT>

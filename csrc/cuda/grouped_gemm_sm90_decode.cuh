@@ -9,9 +9,8 @@
  * step below.
  *
  * Operands, K contiguous, read by TMA into 128B-swizzled slots as in
- * grouped_gemm_sm90_impl.cuh (a k block: 128 bytes of K; the same byte
- * offsets for 16-bit and fp8 elements; a stage holds Shape::kChunks k
- * blocks, each laid out as one k block's slot):
+ * grouped_gemm_sm90_impl.cuh (128 bytes of K per stage; the same byte
+ * offsets for 16-bit and fp8 elements):
  *   A  [rows, K] by sorted row s: GEMM2 act by TMA, box 128 B x kBlockT
  *      rows; GEMM1 the x rows of the tile's tokens, copied by warp 0 with
  *      cp.async straight into the swizzled slot (no gather pass: one launch
@@ -29,15 +28,14 @@
  * m tiles slowest re-read two-tile experts from DRAM. H200, 2026-11-22.)
  * Kind MX_GEMM_LINEAR (dense FP8 layer, fp8_linear.cu): identity rows
  * (no tile table, g.rows rows, one "expert"), out = acc * scale + bias in T.
- * Thread 0 (with warp 0 for GEMM1's cp.async rows) keeps kStages stages of
+ * Thread 0 (with warp 0 for GEMM1's cp.async rows) keeps kStages k blocks of
  * loads in flight: it refills a slot once every warp's wgmmas on it have
  * retired (then a CTA barrier), so the weight stream never stops while the
  * math, a few hundred cycles per 16 KB k block, waits. 16-bit operands keep
- * one stage of wgmmas in flight (wait_group 1: the slot refilled is the
- * previous stage's), so a CTA does not stall on each stage's wgmma
+ * one k block of wgmmas in flight (wait_group 1: the slot refilled is the
+ * previous k block's), so a CTA does not stall on each k block's wgmma
  * latency; FP8 waits for each k block's products (wait_group 0) to promote
- * them. A slice's last stage may hold fewer k blocks: only those are
- * loaded and multiplied.
+ * them.
  * FP8: wgmma's own FP8 accumulation keeps too few bits over a whole K
  * (without promotion a test of 144 tokens erred 0.025 against the 2e-2
  * bound), so each k block's products (128 fp8 columns, 4 chained k steps:
@@ -146,11 +144,9 @@ __global__ void __launch_bounds__(Shape::kThreads)
 {
 #if MX_SM90_DEVICE_PASS
     constexpr int BT = Shape::kBlockT, STAGES = Shape::kStages, LDD = Shape::kLdd;
-    constexpr int BK = 128 / static_cast<int>(sizeof(TA)); /* k elements per k block */
+    constexpr int BK = 128 / static_cast<int>(sizeof(TA)); /* k elements per stage */
     constexpr int NACC = BT / 2;                           /* accumulators of one m64nBT wgmma per thread */
     constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
-    constexpr int CH = Shape::kChunks;                     /* k blocks per stage */
-    constexpr uint32_t BLOCK_BYTES = Shape::kBlockBytes;   /* one k block's weights and A rows in a stage */
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kLinear = KIND == MX_GEMM_LINEAR;
@@ -237,58 +233,47 @@ __global__ void __launch_bounds__(Shape::kThreads)
      * lane of warp 0 arriving on the stage's barrier when its copies land.
      * issue_a is called by the kLoaders threads. */
     const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
-    const int n_stages = (kb1 - kb0 + CH - 1) / CH;
-    auto blocks_in = [&](int st) { /* k blocks of stage st (st < n_stages) */
-        if constexpr (CH == 1)
-            return 1;
-        const int left = kb1 - kb0 - st * CH;
-        return left < CH ? left : CH;
-    };
-    auto issue_w = [&](int st) {
-        const int s = st % STAGES, n = blocks_in(st), kb = kb0 + st * CH;
+    auto slot = [&](int kb) { return (kb - kb0) % STAGES; };
+    auto issue_w = [&](int kb) {
+        const int s = slot(kb);
         const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
-        mbar_arrive_expect_tx(full_bar(s), static_cast<uint32_t>(n) * (kRowsFromX ? W_BYTES : BLOCK_BYTES));
-        for (int c = 0; c < n; ++c)
-            tma_load_3d(dst + c * BLOCK_BYTES, &tma_w, full_bar(s), (kb + c) * BK, row0, expert);
-        for (int c = 0; c < n; ++c)
-            tma_load_3d(dst + c * BLOCK_BYTES + BOX_BYTES, &tma_w, full_bar(s), (kb + c) * BK, row1, expert);
+        mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? W_BYTES : STAGE_BYTES);
+        tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
+        tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
     };
-    auto issue_a = [&](int st) {
-        const int s = st % STAGES, n = blocks_in(st), kb = kb0 + st * CH;
+    auto issue_a = [&](int kb) {
+        const int s = slot(kb);
         const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
         if (!kRowsFromX) {
-            for (int c = 0; c < n; ++c)
-                tma_load_2d(dst + c * BLOCK_BYTES + W_BYTES, &tma_a, full_bar(s), (kb + c) * BK, static_cast<int>(a_row));
+            tma_load_2d(dst + W_BYTES, &tma_a, full_bar(s), kb * BK, static_cast<int>(a_row));
         } else {
             const int chunk = lane % 8;
-            for (int c = 0; c < n; ++c) {
-                const int64_t at = static_cast<int64_t>(kb + c) * 128 + chunk * 16;
+            const int64_t at = static_cast<int64_t>(kb) * 128 + chunk * 16;
 #pragma unroll
-                for (int r = lane / 8; r < BT; r += 4) {
-                    const unsigned char *row = tile_row[r];
-                    const bool live = row != nullptr && at < k_bytes;
-                    mx_cp_async16(dst + c * BLOCK_BYTES + W_BYTES + sw128_offset(r, 16u * chunk),
-                                  live ? row + at : static_cast<const unsigned char *>(g.a), live ? 16 : 0);
-                }
+            for (int r = lane / 8; r < BT; r += 4) {
+                const unsigned char *row = tile_row[r];
+                const bool live = row != nullptr && at < k_bytes;
+                mx_cp_async16(dst + W_BYTES + sw128_offset(r, 16u * chunk),
+                                 live ? row + at : static_cast<const unsigned char *>(g.a), live ? 16 : 0);
             }
             mbar_arrive_cp_async(full_bar(s));
         }
     };
-    const int first_end = n_stages < STAGES ? n_stages : STAGES;
+    const int first_end = kb1 < kb0 + STAGES ? kb1 : kb0 + STAGES;
     if (tid == 0) {
         if (!kRowsFromX)
             tma_prefetch_map(&tma_a);
         tma_prefetch_map(&tma_w);
-        for (int st = 0; st < first_end; ++st)
-            issue_w(st);
+        for (int kb = kb0; kb < first_end; ++kb)
+            issue_w(kb);
     }
     if (!kWaitFirst) { /* A (or x_q) comes from the previous kernel */
         mx_griddep_wait();
         mx_griddep_launch_dependents();
     }
     if (tid < kLoaders)
-        for (int st = 0; st < first_end; ++st)
-            issue_a(st);
+        for (int kb = kb0; kb < first_end; ++kb)
+            issue_a(kb);
 
     float acc0[NACC], acc1[NACC]; /* weight rows of box 0 / box 1 */
 #pragma unroll
@@ -313,57 +298,44 @@ __global__ void __launch_bounds__(Shape::kThreads)
         sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
     }
 
-    for (int st = 0; st < n_stages; ++st) {
-        const int s = st % STAGES, n = blocks_in(st);
-        mbar_wait(full_bar(s), static_cast<uint32_t>(st / STAGES) & 1u);
+    for (int kb = kb0; kb < kb1; ++kb) {
+        const int i = kb - kb0, s = i % STAGES;
+        mbar_wait(full_bar(s), static_cast<uint32_t>(i / STAGES) & 1u);
         if (kRowsFromX)
             fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
-        const uint32_t stage = base + static_cast<uint32_t>(s) * STAGE_BYTES;
+        const uint32_t w_src = base + static_cast<uint32_t>(s) * STAGE_BYTES, a_src = w_src + W_BYTES;
         if constexpr (QUANT != MX_QUANT_NONE) {
+            float a_s[BT / 4], w0 = 1.0f, w1 = 1.0f;
 #pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                if (c > 0 && c >= n)
-                    break;
-                const int kb = kb0 + st * CH + c;
-                const uint32_t w_src = stage + c * BLOCK_BYTES, a_src = w_src + W_BYTES;
-                float a_s[BT / 4], w0 = 1.0f, w1 = 1.0f;
+            for (int j = 0; j < BT / 4; ++j)
+                a_s[j] = 1.0f;
+            if (kBlockScales) {
 #pragma unroll
                 for (int j = 0; j < BT / 4; ++j)
-                    a_s[j] = 1.0f;
-                if (kBlockScales) {
-#pragma unroll
-                    for (int j = 0; j < BT / 4; ++j)
-                        a_s[j] = sa[j] ? sa[j][kb] : 0.0f;
-                    w0 = sw0[kb];
-                    w1 = sw1[kb];
-                }
-                decode_fp8_k_block<BT>(acc0, acc1, w_src, a_src, BOX_BYTES, a_s, w0, w1);
+                    a_s[j] = sa[j] ? sa[j][kb] : 0.0f;
+                w0 = sw0[kb];
+                w1 = sw1[kb];
             }
+            decode_fp8_k_block<BT>(acc0, acc1, w_src, a_src, BOX_BYTES, a_s, w0, w1);
         } else {
             fence_acc(acc0);
             fence_acc(acc1);
             wgmma_fence();
 #pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                if (c > 0 && c >= n)
-                    break;
-                const uint32_t w_src = stage + c * BLOCK_BYTES, a_src = w_src + W_BYTES;
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                    sm90_wgmma<TA, BT>::run(acc0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), 1);
-                    sm90_wgmma<TA, BT>::run(acc1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32), 1);
-                }
+            for (int kk = 0; kk < 4; ++kk) {
+                sm90_wgmma<TA, BT>::run(acc0, sw128_desc(w_src + kk * 32), sw128_desc(a_src + kk * 32), 1);
+                sm90_wgmma<TA, BT>::run(acc1, sw128_desc(w_src + BOX_BYTES + kk * 32), sw128_desc(a_src + kk * 32), 1);
             }
             wgmma_commit();
-            wgmma_wait<1>(); /* the previous stage's wgmmas; this one's stay in flight */
+            wgmma_wait<1>(); /* the previous k block's wgmmas; this one's stay in flight */
             fence_acc(acc0);
             fence_acc(acc1);
         }
-        /* the stage whose slot is free: this one (FP8 waited for its
+        /* the k block whose slot is free: this one (FP8 waited for its
          * products), the previous one (16-bit) */
-        const int done = QUANT != MX_QUANT_NONE ? st : st - 1;
+        const int done = QUANT != MX_QUANT_NONE ? kb : kb - 1;
         __syncthreads(); /* every warp's wgmmas on that slot have retired */
-        if (tid < kLoaders && done >= 0 && done + STAGES < n_stages) {
+        if (tid < kLoaders && done >= kb0 && done + STAGES < kb1) {
             if (tid == 0)
                 issue_w(done + STAGES);
             issue_a(done + STAGES);
@@ -578,14 +550,12 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
      * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
      * then the weight map again, never read. */
     CUtensorMap map_a, map_w;
-    /* L2 promotion 128B where stages of several k blocks request each row's
-     * bytes together, and for 16-bit GEMM2 on 16-token tiles over rows
-     * shorter than kSm90DecodeLongRowBytes; else 256B (gemm_configs.cuh
-     * kSm90DecodeLongRowBytes has the measurements) */
+    /* L2 promotion 128B for 16-bit GEMM2 on 16-token tiles over rows shorter
+     * than kSm90DecodeDownShortRowBytes, else 256B (gemm_configs.cuh has the
+     * measurements) */
     const bool short_down = KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_NONE && Shape::kBlockT == 16 &&
-                            g.k * static_cast<int64_t>(sizeof(TA)) < kSm90DecodeLongRowBytes;
-    const int promotion = Shape::kChunks > 1 || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                                           : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+                            g.k * static_cast<int64_t>(sizeof(TA)) < kSm90DecodeDownShortRowBytes;
+    const int promotion = short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st, promotion))
         return st;
     if (decode_rows_from_x(KIND))

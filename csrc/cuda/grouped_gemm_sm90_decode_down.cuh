@@ -53,7 +53,6 @@ __global__ void __launch_bounds__(Shape::kThreads)
 {
 #if MX_SM90_DEVICE_PASS
     constexpr int BT = Shape::kBlockT, STAGES = Shape::kStages;
-    static_assert(Shape::kChunks == 1, "one k block per stage");
     constexpr int NACC = BT / 2, NTOK = BT / 4; /* accumulators of one m64nBT wgmma, tokens, per thread */
     constexpr uint32_t W_BYTES = Shape::kWBytes, BOX_BYTES = W_BYTES / 2, STAGE_BYTES = Shape::kStageBytes;
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
@@ -343,7 +342,7 @@ mx_status launch_sm90_decode_down(const mx_gemm_args &g, const mx_sm90_scales &s
     mx_status st;
     CUtensorMap map_a, map_w;
     /* L2 promotion 128B on 16-token tiles (gemm_configs.cuh
-     * kSm90DecodeLongRowBytes has the measurements) */
+     * kSm90DecodeDownShortRowBytes has the measurements) */
     const int promotion =
         Shape::kBlockT == 16 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st, promotion) ||
