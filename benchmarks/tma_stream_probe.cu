@@ -174,9 +174,9 @@ static void probe(const char *name, void *p, long long rows, int k, int ctas_per
            promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", tiles, per_sm, tbs);
 }
 
-/* Small grids: `ctas` CTAs of one tile each, 30 launches back to back,
- * each over its own slice of the buffer (no L2 reuse between launches);
- * microseconds per launch. */
+/* Small grids: `ctas` CTAs of one tile each, passes of 30 launches back to
+ * back, each over its own slice of the buffer (no L2 reuse between
+ * launches); microseconds per launch. */
 template <int ROWS, int BOXR, int KCH, int STAGES>
 static void small_grid(const char *name, void *p, long long bytes, int k, int ctas, int ctas_per_sm, int *sink,
                        CUtensorMapL2promotion promotion)
@@ -186,30 +186,18 @@ static void small_grid(const char *name, void *p, long long bytes, int k, int ct
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const long long slice = (long long)ctas * ROWS * k * 2;
     const int slices = (int)(bytes / slice);
-    std::vector<CUtensorMap> maps;
-    for (int i = 0; i < 30; ++i)
+    constexpr int kLaunches = 30;
+    std::vector<CUtensorMap> maps; /* one per launch of a pass */
+    for (int i = 0; i < kLaunches; ++i)
         maps.push_back(rows_map((char *)p + (long long)(i % slices) * slice, (long long)ctas * ROWS, k, BOXR, promotion));
-    cudaEvent_t t0, t1;
-    CHECK(cudaEventCreate(&t0));
-    CHECK(cudaEventCreate(&t1));
-    std::vector<float> us;
-    for (int rep = 0; rep < 5; ++rep) {
-        CHECK(cudaEventRecord(t0));
-        for (int i = 0; i < 30; ++i)
-            kernel<<<ctas, 128, smem>>>(maps[i], k, sink);
-        CHECK(cudaEventRecord(t1));
-        CHECK(cudaEventSynchronize(t1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, t0, t1));
-        us.push_back(ms * 1e3f / 30);
-    }
-    CHECK(cudaGetLastError());
-    CHECK(cudaEventDestroy(t0));
-    CHECK(cudaEventDestroy(t1));
-    std::sort(us.begin(), us.end());
+    const double tbs = rate(
+        [&] {
+            for (int i = 0; i < kLaunches; ++i)
+                kernel<<<ctas, 128, smem>>>(maps[i], k, sink);
+        },
+        (double)slice * kLaunches);
     printf("%-40s K=%5d promotion %s %4d CTAs  %.2f us per launch, %.3f TB/s\n", name, k,
-           promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", ctas, us[2],
-           slice / (us[2] * 1e-6) / 1e12);
+           promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", ctas, slice / (tbs * 1e6), tbs);
 }
 
 int main()

@@ -168,8 +168,8 @@ using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::k
  * k block of 128 bytes per row, the promotion's read-ahead of each row's
  * next 128 bytes keeps bytes in flight (promotion 128B on every map: GEMM1
  * +2..+5%). Two k blocks per stage with promotion 128B, the pattern a TMA
- * read probe streamed fastest (benchmarks/tma_stream_probe.cu: 4.45-4.52
- * TB/s against 4.06-4.34 for the decode kernel's), was slower or
+ * read probe streamed fastest (benchmarks/tma_stream_probe.cu: 4.36-4.62
+ * TB/s against 4.04-4.34 for the decode kernel's ring), was slower or
  * routing-dependent in the layer (benchmarks/NOTES.md, "Two k blocks per
  * decode stage"). */
 constexpr int64_t kSm90DecodeDownShortRowBytes = 8192;
