@@ -145,6 +145,23 @@ def test_fp8_decode_down_walks_many_units(method, rows_per_expert, i, gen):
         assert (persistent, decode_down) == (i == 256, i == 1280), names
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_decode_paired_loads(method, gen):
+    """FP8 GEMM1 on a 16-token grid that fills the deep ring's slots (~432 CTAs) pairs its weight
+    loads (gemm_configs.cuh mx_sm90_decode_paired): H = 1392 is 11 k blocks, the last one alone
+    and partial (a k tail and a partial scale block)."""
+    e, k, h, i, m = 16, 2, 1392, 2560, 8
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} paired M={m}")
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        assert any(DECODE_FP8 in n and "mx_sm90_decode_shape<16, 6, true>, 0," in n for n in names), names
+
+
 @pytest.mark.parametrize("m", [4, 512])  # decode kernel, persistent kernel
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_graph_replay(method, m, gen):

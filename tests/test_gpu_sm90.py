@@ -65,9 +65,34 @@ def test_decode_gemm1_ring_by_last_wave(tail, gen):
     want, margin = reference(x, logits)
     check(layer(x, logits), want, margin, torch.bfloat16)
     names = kernels_of(lambda: layer(x, logits))
-    stages = 6 if tail == "sparse" else 4
-    gemm1 = f"{DECODE_KERNEL}<__nv_bfloat16, __nv_bfloat16, mx_sm90_decode_shape<16, {stages}>, 0, 0>"
+    stages = 6 if tail == "sparse" else 4  # either grid fills its ring's slots: paired loads
+    gemm1 = f"{DECODE_KERNEL}<__nv_bfloat16, __nv_bfloat16, mx_sm90_decode_shape<16, {stages}, true>, 0, 0>"
     assert any(gemm1 in n for n in names), names
+
+
+# (E, top_k, M, H, I, the 16-token kernel that pairs its loads: "template arguments KIND, quant>")
+PAIRED_CASES = [
+    (16, 2, 8, 648, 2560, "0, 0>"),  # GEMM1: ~432 CTAs on the deep ring; 11 k blocks, a single last one
+    (64, 8, 8, 1608, 136, "3, 0>"),  # GEMM2: ~580 CTAs; 3 k blocks, fewer than the stages
+]
+
+
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=["gemm1", "gemm2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_paired_loads(case, dtype, gen):
+    """16-token grids that fill every CTA slot of their ring issue each box's two k blocks together
+    (gemm_configs.cuh mx_sm90_decode_paired), with odd k-block counts (a single last load)."""
+    e, k, m, h, i, kernel = case
+    layer, _, reference = cuda_case(gen, dtype, e, dict(top_k=k), False, h=h, i=i)
+    x = randn(gen, m, h, dtype=dtype, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    want, margin = reference(x, logits)
+    check(out, want, margin, dtype)
+    if on_hopper():
+        names = kernels_of(lambda: layer(x, logits))
+        assert any(DECODE_KERNEL in n and f"mx_sm90_decode_shape<16, 6, true>, {kernel}" in n for n in names), names
 
 
 @pytest.mark.parametrize("m", [1, 2, 7])

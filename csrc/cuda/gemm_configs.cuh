@@ -119,11 +119,15 @@ typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per
  * CTA, 128 weight rows (wgmma m, two boxes of 64) x BT tokens (wgmma n) x
  * 128 bytes of K per stage. The float32 epilogue tile [128][BT + 1] reuses
- * the drained ring. */
-template <int BT, int STAGES>
+ * the drained ring. PAIRED: the weight boxes of two k blocks (two slots)
+ * are issued together, so each weight row's 256 contiguous bytes are
+ * requested at once, with L2 promotion 128B; slots are then refilled two
+ * at a time (mx_sm90_decode_paired). */
+template <int BT, int STAGES, bool PAIRED = false>
 struct mx_sm90_decode_shape {
     static constexpr int kBlockT = BT;         /* tokens (sorted rows) per tile: moe_align's block_m */
     static constexpr int kStages = STAGES;
+    static constexpr bool kPairedLoads = PAIRED;
     static constexpr int kThreads = 128;
     static constexpr uint32_t kWBytes = 128 * 128;
     static constexpr uint32_t kABytes = BT * 128;
@@ -134,6 +138,7 @@ struct mx_sm90_decode_shape {
     static_assert(BT == 16 || BT == 32 || BT == 48 || BT == 64, "wgmma n of the compiled forms");
     static_assert(kStageBytes % 1024 == 0, "slots start on 1024-byte swizzle atoms");
     static_assert(size_t(128) * kLdd * 4 <= size_t(STAGES) * kStageBytes, "the epilogue tile fits the ring");
+    static_assert(!PAIRED || STAGES % 2 == 0, "paired loads refill pairs of slots");
 };
 /* 16 tokens, 6 stages of 18 KB (110 KB): 2 CTAs per SM keep up to 12 k
  * blocks (192 KB of weights) in flight per SM. */
@@ -157,6 +162,24 @@ typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
  * (bf16 M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
 template <typename Shape>
 using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::kBlockT == 16 ? 4 : 3>;
+/* Paired weight loads (mx_sm90_decode_shape PAIRED) on 16-token tiles
+ * where the grid likely fills every CTA slot of its ring at least once
+ * (grouped_gemm_sm90_decode.cu). A TMA read probe
+ * (benchmarks/tma_stream_probe.cu, no math) streamed 4.36-4.62 TB/s with
+ * each row's 256 bytes requested together and promotion 128B against
+ * 4.04-4.34 for the decode kernel's one k block at a time with 256B. In the
+ * layer, bench_moe A/B on the grid's routing (two rounds, H200,
+ * 2026-11-26), every 16-token kernel paired: -1.7% over 36 points (qwen3moe
+ * bf16 M = 8..64 -3.3..-4.2%, DeepSeek-V3 fp8 M = 8..64 -2.8..-3.9%,
+ * gpt-oss bf16 M = 8..64 -2.2..-2.8%, Mixtral bf16 M = 1 / 32 -5.5 /
+ * -4.0%), but the grids of under one wave lost: qwen3moe bf16 M = 1 +7.7%
+ * (GEMM1: 96 CTAs on 132 SMs), qwen3moe fp8 M = 1 +2..+3%, gpt-oss M = 1
+ * +1.1%; there the 256B promotion's read-ahead and the one-slot refills
+ * keep more bytes in flight per CTA. (Stages of two k blocks instead, with
+ * one barrier per stage, lost where the 16-bit lag held one of two stages:
+ * benchmarks/NOTES.md, "Two k blocks per decode stage".) */
+template <typename Shape>
+using mx_sm90_decode_paired = mx_sm90_decode_shape<Shape::kBlockT, Shape::kStages, true>;
 /* GEMM2's weight maps on 16-token tiles take L2 promotion 128B instead of
  * 256B: the FP8 decode_down at any row length, the 16-bit decode kernel
  * over rows shorter than kSm90DecodeDownShortRowBytes. bench_moe A/B (the
@@ -164,14 +187,9 @@ using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::k
  * -> 127.0 us, gpt-oss bf16 M = 64 1315 -> 1297, Mixtral fp8_block M = 8
  * 277.7 -> 274.9, DeepSeek-V3 fp8_tensor M = 1 105.2 -> 103.9; -0.3..-1.8%
  * at every affected point. Mixtral bf16 GEMM2 (28 KB rows) lost 1.7% at
- * M = 32 (profile_layer). Everything else keeps 256B: where a stage is one
- * k block of 128 bytes per row, the promotion's read-ahead of each row's
- * next 128 bytes keeps bytes in flight (promotion 128B on every map: GEMM1
- * +2..+5%). Two k blocks per stage with promotion 128B, the pattern a TMA
- * read probe streamed fastest (benchmarks/tma_stream_probe.cu: 4.36-4.62
- * TB/s against 4.04-4.34 for the decode kernel's ring), was slower or
- * routing-dependent in the layer (benchmarks/NOTES.md, "Two k blocks per
- * decode stage"). */
+ * M = 32 (profile_layer). Elsewhere one k block at a time keeps 256B: its
+ * read-ahead of each row's next 128 bytes keeps bytes in flight (promotion
+ * 128B on every map: GEMM1 +2..+5%). */
 constexpr int64_t kSm90DecodeDownShortRowBytes = 8192;
 
 enum mx_tile_config {

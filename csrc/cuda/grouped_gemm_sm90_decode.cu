@@ -2,7 +2,8 @@
  * operands, and float8_e4m3 operands with per-tensor or 128x128 block
  * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
  * tiles (GEMM1 kinds with fewer stages: gemm_configs.cuh
- * mx_sm90_decode_gemm1_shape). The four expert kinds and LINEAR run
+ * mx_sm90_decode_gemm1_shape; 16-token tiles also with paired weight
+ * loads, mx_sm90_decode_paired). The four expert kinds and LINEAR run
  * grouped_gemm_sm90_decode.cuh;
  * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
  * rule (sm90_decode_down_grid) says that pays. */
@@ -12,16 +13,47 @@
 
 namespace {
 
+/* CTAs of a 16-token grid of n_tiles per m tile likely in use: with
+ * g.pairs pairs routed uniformly, E (1 - (1 - 1/E)^pairs) experts hold one
+ * tile, plus a tile per kBlockT pairs (at most m_tiles; the grid itself
+ * covers the worst case, m_tiles). */
+inline int64_t decode_likely_ctas(const mx_gemm_args &g, int64_t local_experts, int64_t m_tiles, int block_t,
+                                  int64_t n_tiles)
+{
+    const double e = static_cast<double>(local_experts > 0 ? local_experts : 1);
+    const double likely = g.pairs > 0 ? e * (1.0 - pow(1.0 - 1.0 / e, static_cast<double>(g.pairs))) +
+                                            static_cast<double>(g.pairs / block_t)
+                                      : static_cast<double>(m_tiles);
+    const double tiles = likely < static_cast<double>(m_tiles) ? likely : static_cast<double>(m_tiles);
+    return static_cast<int64_t>(tiles * static_cast<double>(n_tiles) + 0.5);
+}
+
+/* Ring on 16-token tiles, with paired weight loads (gemm_configs.cuh
+ * mx_sm90_decode_paired) where its grid likely fills every CTA slot of it at
+ * least once (`ctas` from decode_likely_ctas); a grid of fewer CTAs keeps
+ * one-slot refills and the 256B promotion's read-ahead. */
+template <typename TA, typename T, typename Ring, int KIND, int QUANT>
+mx_status launch_sm90_decode_by_fill(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
+                                     int64_t m_tiles, int64_t ctas, cudaStream_t stream)
+{
+    int slots = 0;
+    const mx_status st = sm90_decode_opt_in<TA, T, Ring, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
+    if (st.code != MX_OK)
+        return st;
+    if (ctas >= slots)
+        return launch_sm90_decode<TA, T, mx_sm90_decode_paired<Ring>, KIND, QUANT>(g, sc, local_experts, m_tiles,
+                                                                                   stream);
+    return launch_sm90_decode<TA, T, Ring, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
+}
+
 /* GEMM1 on the shallow ring (mx_sm90_decode_gemm1_shape: 3 CTAs per SM),
  * except 16-token tiles whose grid is more than one wave of it with the last
  * wave under a third full: those keep the deep ring (2 per SM). Mixtral at
  * M = 1 (448 CTAs: 1.13 waves of 396, against 1.7 of 264) lost 3-6% per
  * forward on the shallow ring; qwen3moe at M = 8 (~684 CTAs in use, 1.73
  * waves) gained 3-6% (H200, 5c39a5a against 0d4cd5f). The grid counts the
- * tiles likely in use, not the worst case (qwen3moe M = 8: 68 m tiles, 816
- * CTAs, read as a sparse last wave at 108e79a): with g.pairs pairs routed
- * uniformly, E (1 - (1 - 1/E)^pairs) experts hold one, plus a tile per
- * kBlockT pairs. */
+ * tiles likely in use (decode_likely_ctas), not the worst case (qwen3moe
+ * M = 8: 68 m tiles, 816 CTAs, read as a sparse last wave at 108e79a). */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
                                    int64_t m_tiles, cudaStream_t stream)
@@ -32,15 +64,11 @@ mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &
         const mx_status st = sm90_decode_opt_in<TA, T, Shallow, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
         if (st.code != MX_OK)
             return st;
-        const double e = static_cast<double>(local_experts > 0 ? local_experts : 1);
-        const double likely = g.pairs > 0 ? e * (1.0 - pow(1.0 - 1.0 / e, static_cast<double>(g.pairs))) +
-                                                static_cast<double>(g.pairs / Shape::kBlockT)
-                                          : static_cast<double>(m_tiles);
-        const double tiles = likely < static_cast<double>(m_tiles) ? likely : static_cast<double>(m_tiles);
         const int64_t n_tiles = KIND == MX_GEMM_UP ? mx_ceil_div(g.n_rows, 128) : mx_ceil_div(g.out_cols, 64);
-        const int64_t ctas = static_cast<int64_t>(tiles * static_cast<double>(n_tiles) + 0.5);
+        const int64_t ctas = decode_likely_ctas(g, local_experts, m_tiles, Shape::kBlockT, n_tiles);
         if (ctas > slots && 3 * (ctas % slots) < slots)
-            return launch_sm90_decode<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
+            return launch_sm90_decode_by_fill<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, stream);
+        return launch_sm90_decode_by_fill<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, stream);
     }
     return launch_sm90_decode<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
 }
@@ -68,6 +96,12 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
             if (grid > 0)
                 return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, grid, stream);
         }
+        if constexpr (Shape::kBlockT == 16)
+            return launch_sm90_decode_by_fill<TA, T, Shape, MX_GEMM_DOWN, QUANT>(
+                *g, sc, local_experts, m_tiles,
+                decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) *
+                    g->k_splits,
+                stream);
         return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_LINEAR:
         if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */

@@ -164,6 +164,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
      * ends (the tile table is older); 16-bit GEMM1 reads the tile table the
      * previous kernel (moe_align) writes */
     constexpr bool kWaitFirst = kRowsFromX && QUANT == MX_QUANT_NONE;
+    /* weight loads in pairs of k blocks (gemm_configs.cuh mx_sm90_decode_shape) */
+    constexpr bool kPairedLoads = Shape::kPairedLoads;
     if (kWaitFirst) {
         mx_griddep_wait();
         mx_griddep_launch_dependents();
@@ -241,6 +243,21 @@ __global__ void __launch_bounds__(Shape::kThreads)
         tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
         tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
     };
+    /* k blocks kb and kb + 1 (if < kb1): each box's two k blocks issued together */
+    auto issue_w_pair = [&](int kb) {
+        if (kb + 1 >= kb1) {
+            issue_w(kb);
+            return;
+        }
+        const int s0 = slot(kb), s1 = slot(kb + 1);
+        const uint32_t d0 = base + static_cast<uint32_t>(s0) * STAGE_BYTES, d1 = base + static_cast<uint32_t>(s1) * STAGE_BYTES;
+        mbar_arrive_expect_tx(full_bar(s0), kRowsFromX ? W_BYTES : STAGE_BYTES);
+        mbar_arrive_expect_tx(full_bar(s1), kRowsFromX ? W_BYTES : STAGE_BYTES);
+        tma_load_3d(d0, &tma_w, full_bar(s0), kb * BK, row0, expert);
+        tma_load_3d(d1, &tma_w, full_bar(s1), (kb + 1) * BK, row0, expert);
+        tma_load_3d(d0 + BOX_BYTES, &tma_w, full_bar(s0), kb * BK, row1, expert);
+        tma_load_3d(d1 + BOX_BYTES, &tma_w, full_bar(s1), (kb + 1) * BK, row1, expert);
+    };
     auto issue_a = [&](int kb) {
         const int s = slot(kb);
         const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
@@ -264,8 +281,12 @@ __global__ void __launch_bounds__(Shape::kThreads)
         if (!kRowsFromX)
             tma_prefetch_map(&tma_a);
         tma_prefetch_map(&tma_w);
-        for (int kb = kb0; kb < first_end; ++kb)
-            issue_w(kb);
+        for (int kb = kb0; kb < first_end; kb += kPairedLoads ? 2 : 1) {
+            if (kPairedLoads)
+                issue_w_pair(kb);
+            else
+                issue_w(kb);
+        }
     }
     if (!kWaitFirst) { /* A (or x_q) comes from the previous kernel */
         mx_griddep_wait();
@@ -335,7 +356,16 @@ __global__ void __launch_bounds__(Shape::kThreads)
          * products), the previous one (16-bit) */
         const int done = QUANT != MX_QUANT_NONE ? kb : kb - 1;
         __syncthreads(); /* every warp's wgmmas on that slot have retired */
-        if (tid < kLoaders && done >= kb0 && done + STAGES < kb1) {
+        if (kPairedLoads) {
+            /* slots refilled two at a time: after the second of a pair frees */
+            if (tid < kLoaders && done >= kb0 && (done - kb0) % 2 == 1 && done - 1 + STAGES < kb1) {
+                if (tid == 0)
+                    issue_w_pair(done - 1 + STAGES);
+                issue_a(done - 1 + STAGES);
+                if (done + STAGES < kb1)
+                    issue_a(done + STAGES);
+            }
+        } else if (tid < kLoaders && done >= kb0 && done + STAGES < kb1) {
             if (tid == 0)
                 issue_w(done + STAGES);
             issue_a(done + STAGES);
@@ -550,12 +580,13 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
      * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
      * then the weight map again, never read. */
     CUtensorMap map_a, map_w;
-    /* L2 promotion 128B for 16-bit GEMM2 on 16-token tiles over rows shorter
-     * than kSm90DecodeDownShortRowBytes, else 256B (gemm_configs.cuh has the
-     * measurements) */
+    /* L2 promotion 128B with paired loads, and for 16-bit GEMM2 on 16-token
+     * tiles over rows shorter than kSm90DecodeDownShortRowBytes; else 256B
+     * (gemm_configs.cuh has the measurements) */
     const bool short_down = KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_NONE && Shape::kBlockT == 16 &&
                             g.k * static_cast<int64_t>(sizeof(TA)) < kSm90DecodeDownShortRowBytes;
-    const int promotion = short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    const int promotion = Shape::kPairedLoads || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                            : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st, promotion))
         return st;
     if (decode_rows_from_x(KIND))
