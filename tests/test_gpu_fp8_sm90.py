@@ -40,6 +40,17 @@ def compare_tensor(layer, out, x, logits, cfg, what):
     assert min(errs) <= FP8_TOL, f"{what}: rel_err {errs} > {FP8_TOL}"
 
 
+def checked_forward(gen, layer, m, e, what):
+    """A forward of m random tokens of `layer` (qwen style, CONFIGS[0]), checked for determinism
+    and against the reference; returns the kernel names it ran (None off Hopper)."""
+    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    compare_tensor(layer, out, x, logits, CONFIGS[0], what)
+    return kernels_of(lambda: layer(x, logits)) if on_hopper() else None
+
+
 def loaded(gen, style, method, dtype, e, k, h, i, cfg):
     name, kw, has_bias, gated, _ = cfg
     model, layer = fp8_model(style, method, "cuda", dtype=dtype, e=e, k=k, h=h, i=i, **kw)
@@ -131,13 +142,8 @@ def test_fp8_decode_down_walks_many_units(method, rows_per_expert, i, gen):
     e, k, h = 64, 2, 1616
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
     m = int(rows_per_expert * e / k)
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} down I={i} M={m}")
-    if on_hopper():
-        names = kernels_of(lambda: layer(x, logits))
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} down I={i} M={m}")
+    if names is not None:
         tile = expected_gemm_kernel(m * k / e)
         persistent = any(DECODE_DOWN_FP8 in n and tile in n for n in names)
         down_kind = f">, 3, {1 if method == 'tensor' else 2}>"  # after the shape: MX_GEMM_DOWN, quant
@@ -152,13 +158,8 @@ def test_fp8_decode_paired_loads(method, gen):
     and partial (a k tail and a partial scale block)."""
     e, k, h, i, m = 16, 2, 1392, 2560, 8
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} paired M={m}")
-    if on_hopper():
-        names = kernels_of(lambda: layer(x, logits))
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} paired M={m}")
+    if names is not None:
         assert any(DECODE_FP8 in n and "mx_sm90_decode_shape<16, 6, true>, 0," in n for n in names), names
 
 

@@ -25,6 +25,18 @@ def expected_gemm_kernel(rows_per_expert):
     return f"mx_sm90_decode_shape<{tokens},"
 
 
+def checked_forward(gen, dtype, layer, reference, m, e):
+    """A forward of m random tokens, checked for determinism and against the reference; returns
+    the kernel names it ran (None off Hopper)."""
+    x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    want, margin = reference(x, logits)
+    check(out, want, margin, dtype)
+    return kernels_of(lambda: layer(x, logits)) if on_hopper() else None
+
+
 # decode kernel: 16-token tiles (1 token), 16-, 32-, 48-, 64-token tiles; persistent kernel: 150
 @pytest.mark.parametrize("rows_per_expert", [0.1, 5, 16, 30, 48, 150])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -33,15 +45,9 @@ def test_matches_reference(cfg, dtype, rows_per_expert, gen):
     _, e, k, kw, corr = cfg
     layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=328, i=200)
     m = max(1, int(rows_per_expert * layer.local_num_experts / k))  # the rule counts all pairs per local expert
-    x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    want, margin = reference(x, logits)
-    check(out, want, margin, dtype)
+    names = checked_forward(gen, dtype, layer, reference, m, e)
     if on_hopper():
         kernel = expected_gemm_kernel(m * k / layer.local_num_experts)
-        names = kernels_of(lambda: layer(x, logits))
         assert any(kernel in n for n in names), f"no {kernel} ran: {names}"
         assert not any(GATHER_KERNEL in n for n in names), names  # both 16-bit kernels read x rows themselves
 
@@ -84,14 +90,8 @@ def test_decode_paired_loads(case, dtype, gen):
     (gemm_configs.cuh mx_sm90_decode_paired), with odd k-block counts (a single last load)."""
     e, k, m, h, i, kernel = case
     layer, _, reference = cuda_case(gen, dtype, e, dict(top_k=k), False, h=h, i=i)
-    x = randn(gen, m, h, dtype=dtype, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    want, margin = reference(x, logits)
-    check(out, want, margin, dtype)
+    names = checked_forward(gen, dtype, layer, reference, m, e)
     if on_hopper():
-        names = kernels_of(lambda: layer(x, logits))
         assert any(DECODE_KERNEL in n and f"mx_sm90_decode_shape<16, 6, true>, {kernel}" in n for n in names), names
 
 
