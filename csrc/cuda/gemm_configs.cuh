@@ -138,6 +138,7 @@ struct mx_sm90_decode_shape {
     static_assert(BT == 16 || BT == 32 || BT == 48 || BT == 64, "wgmma n of the compiled forms");
     static_assert(kStageBytes % 1024 == 0, "slots start on 1024-byte swizzle atoms");
     static_assert(size_t(128) * kLdd * 4 <= size_t(STAGES) * kStageBytes, "the epilogue tile fits the ring");
+    static_assert(!PAIRED || STAGES % 2 == 0, "paired loads refill pairs of slots");
 };
 /* 16 tokens, 6 stages of 18 KB (110 KB): 2 CTAs per SM keep up to 12 k
  * blocks (192 KB of weights) in flight per SM. */
@@ -161,9 +162,9 @@ typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
  * (bf16 M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
 template <typename Shape>
 using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::kBlockT == 16 ? 4 : 3>;
-/* Paired weight loads (mx_sm90_decode_shape PAIRED) where the grid likely
- * fills every CTA slot of its ring at least once
- * (grouped_gemm_sm90_decode.cu); first measured on 16-token tiles. A TMA read probe
+/* Paired weight loads (mx_sm90_decode_shape PAIRED) on 16-token tiles
+ * where the grid likely fills every CTA slot of its ring at least once
+ * (grouped_gemm_sm90_decode.cu). A TMA read probe
  * (benchmarks/tma_stream_probe.cu, no math) streamed 4.36-4.62 TB/s with
  * each row's 256 bytes requested together and promotion 128B against
  * 4.04-4.34 for the decode kernel's one k block at a time with 256B. In the

@@ -2,8 +2,8 @@
  * operands, and float8_e4m3 operands with per-tensor or 128x128 block
  * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
  * tiles (GEMM1 kinds with fewer stages: gemm_configs.cuh
- * mx_sm90_decode_gemm1_shape; each also with paired weight loads,
- * mx_sm90_decode_paired). The four expert kinds and LINEAR run
+ * mx_sm90_decode_gemm1_shape; 16-token tiles also with paired weight
+ * loads, mx_sm90_decode_paired). The four expert kinds and LINEAR run
  * grouped_gemm_sm90_decode.cuh;
  * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
  * rule (sm90_decode_down_grid) says that pays. */
@@ -13,7 +13,7 @@
 
 namespace {
 
-/* CTAs of a decode grid of n_tiles per m tile likely in use: with
+/* CTAs of a 16-token grid of n_tiles per m tile likely in use: with
  * g.pairs pairs routed uniformly, E (1 - (1 - 1/E)^pairs) experts hold one
  * tile, plus a tile per kBlockT pairs (at most m_tiles; the grid itself
  * covers the worst case, m_tiles). */
@@ -28,7 +28,7 @@ inline int64_t decode_likely_ctas(const mx_gemm_args &g, int64_t local_experts, 
     return static_cast<int64_t>(tiles * static_cast<double>(n_tiles) + 0.5);
 }
 
-/* Ring, with paired weight loads (gemm_configs.cuh
+/* Ring on 16-token tiles, with paired weight loads (gemm_configs.cuh
  * mx_sm90_decode_paired) where its grid likely fills every CTA slot of it at
  * least once (`ctas` from decode_likely_ctas); a grid of fewer CTAs keeps
  * one-slot refills and the 256B promotion's read-ahead. */
@@ -70,9 +70,7 @@ mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &
             return launch_sm90_decode_by_fill<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, stream);
         return launch_sm90_decode_by_fill<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, stream);
     }
-    const int64_t n_tiles = KIND == MX_GEMM_UP ? mx_ceil_div(g.n_rows, 128) : mx_ceil_div(g.out_cols, 64);
-    return launch_sm90_decode_by_fill<TA, T, Shallow, KIND, QUANT>(
-        g, sc, local_experts, m_tiles, decode_likely_ctas(g, local_experts, m_tiles, Shape::kBlockT, n_tiles), stream);
+    return launch_sm90_decode<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
 }
 
 template <typename TA, typename T, typename Shape, int QUANT>
@@ -98,10 +96,13 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
             if (grid > 0)
                 return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, grid, stream);
         }
-        return launch_sm90_decode_by_fill<TA, T, Shape, MX_GEMM_DOWN, QUANT>(
-            *g, sc, local_experts, m_tiles,
-            decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) * g->k_splits,
-            stream);
+        if constexpr (Shape::kBlockT == 16)
+            return launch_sm90_decode_by_fill<TA, T, Shape, MX_GEMM_DOWN, QUANT>(
+                *g, sc, local_experts, m_tiles,
+                decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) *
+                    g->k_splits,
+                stream);
+        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
     case MX_GEMM_LINEAR:
         if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
             return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, local_experts, m_tiles, stream);

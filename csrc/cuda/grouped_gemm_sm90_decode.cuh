@@ -243,9 +243,9 @@ __global__ void __launch_bounds__(Shape::kThreads)
         tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
         tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
     };
-    /* k blocks kb and kb + 1 (if < end): each box's two k blocks issued together */
-    auto issue_w_pair = [&](int kb, int end) {
-        if (kb + 1 >= end) {
+    /* k blocks kb and kb + 1 (if < kb1): each box's two k blocks issued together */
+    auto issue_w_pair = [&](int kb) {
+        if (kb + 1 >= kb1) {
             issue_w(kb);
             return;
         }
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         tma_prefetch_map(&tma_w);
         for (int kb = kb0; kb < first_end; kb += kPairedLoads ? 2 : 1) {
             if (kPairedLoads)
-                issue_w_pair(kb, first_end);
+                issue_w_pair(kb);
             else
                 issue_w(kb);
         }
@@ -357,12 +357,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
         const int done = QUANT != MX_QUANT_NONE ? kb : kb - 1;
         __syncthreads(); /* every warp's wgmmas on that slot have retired */
         if (kPairedLoads) {
-            /* slots refilled two at a time, after the second of two frees (k
-             * blocks done - 1 and done: their slots take done - 1 + STAGES and
-             * done + STAGES, for any STAGES) */
+            /* slots refilled two at a time: after the second of a pair frees */
             if (tid < kLoaders && done >= kb0 && (done - kb0) % 2 == 1 && done - 1 + STAGES < kb1) {
                 if (tid == 0)
-                    issue_w_pair(done - 1 + STAGES, kb1);
+                    issue_w_pair(done - 1 + STAGES);
                 issue_a(done - 1 + STAGES);
                 if (done + STAGES < kb1)
                     issue_a(done + STAGES);
