@@ -175,7 +175,11 @@ using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::k
  * -4.0%), but the grids of under one wave lost: qwen3moe bf16 M = 1 +7.7%
  * (GEMM1: 96 CTAs on 132 SMs), qwen3moe fp8 M = 1 +2..+3%, gpt-oss M = 1
  * +1.1%; there the 256B promotion's read-ahead and the one-slot refills
- * keep more bytes in flight per CTA. (Stages of two k blocks instead, with
+ * keep more bytes in flight per CTA. With the fill rule (two rounds,
+ * another H200): -1.2% over the same 36 points, none slower by more than
+ * 0.4%, those M = 1 points unchanged (benchmarks/results/logs/
+ * 2026-11-26-nvidia-h200-bench-ab-paired-loads.txt; on every tile size,
+ * aed6b1c, one round was mixed). (Stages of two k blocks instead, with
  * one barrier per stage, lost where the 16-bit lag held one of two stages:
  * benchmarks/NOTES.md, "Two k blocks per decode stage".) */
 template <typename Shape>
