@@ -8,18 +8,17 @@
  * LDG.128 stream and cudaMemset give the ceilings of the same run. Not
  * part of the package or its tests; build and run on an sm_90a GPU:
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
- *        -o /tmp/tma_stream_probe benchmarks/tma_stream_probe.cu -lcuda
+ *        -I csrc/include -I csrc/cuda -o /tmp/tma_stream_probe benchmarks/tma_stream_probe.cu
  *   /tmp/tma_stream_probe
  * (benchmarks/NOTES.md, "Two k blocks per decode stage", has its results.) */
-#include <cuda.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <vector>
+
+#include "sm90_common.cuh" /* the decode kernel's own mbarrier, TMA and tensor-map helpers */
 
 #define CHECK(call)                                                                                                 \
     do {                                                                                                            \
@@ -30,32 +29,6 @@
         }                                                                                                           \
     } while (0)
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
-{
-    asm volatile("{\n.reg .pred p;\nWAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
-                 "l"(map), "r"(bar), "r"(c0), "r"(c1)
-                 : "memory");
-}
-
 /* A CTA per tile of ROWS rows x K; a stage: ROWS rows x KCH k blocks, as
  * ROWS / BOXR x KCH boxes, a row group's k blocks issued together. Thread 0
  * refills a slot as soon as its bytes have landed. */
@@ -65,17 +38,17 @@ __global__ void __launch_bounds__(128) tma_stream(const __grid_constant__ CUtens
     extern __shared__ __align__(1024) unsigned char ring[];
     __shared__ __align__(8) uint64_t bars[STAGES];
     constexpr uint32_t STAGE = ROWS * KCH * 128;
-    const uint32_t base = (smem_addr(ring) + 1023u) & ~1023u;
+    const uint32_t base = (mx_smem_addr(ring) + 1023u) & ~1023u;
     const int k_stages = k / (64 * KCH);
     if (threadIdx.x != 0)
         return;
     for (int s = 0; s < STAGES; ++s)
-        mbar_init(smem_addr(&bars[s]), 1);
+        mbar_init(mx_smem_addr(&bars[s]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     const int r0 = blockIdx.x * ROWS;
     auto issue = [&](int ks, int s) {
-        const uint32_t dst = base + s * STAGE, bar = smem_addr(&bars[s]);
-        mbar_expect_tx(bar, STAGE);
+        const uint32_t dst = base + s * STAGE, bar = mx_smem_addr(&bars[s]);
+        mbar_arrive_expect_tx(bar, STAGE);
         for (int g = 0; g < ROWS / BOXR; ++g)
             for (int c = 0; c < KCH; ++c)
                 tma_load_2d(dst + (c * ROWS + g * BOXR) * 128, &map, bar, (ks * KCH + c) * 64, r0 + g * BOXR);
@@ -84,7 +57,7 @@ __global__ void __launch_bounds__(128) tma_stream(const __grid_constant__ CUtens
         issue(s, s);
     for (int ks = 0; ks < k_stages; ++ks) {
         const int s = ks % STAGES;
-        mbar_wait(smem_addr(&bars[s]), static_cast<uint32_t>(ks / STAGES) & 1u);
+        mbar_wait(mx_smem_addr(&bars[s]), static_cast<uint32_t>(ks / STAGES) & 1u);
         if (ks + STAGES < k_stages)
             issue(ks + STAGES, s);
     }
@@ -109,21 +82,14 @@ __global__ void ldg_stream(const int4 *p, long long n, int *sink)
         sink[1] = 1;
 }
 
-typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                              const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static encode_fn encode;
-
+/* The decode kernel's own map of [rows, k] bfloat16 rows (sm90_common.cuh
+ * sm90_kmajor_map: 128B swizzle, boxes of 64 columns x box_rows). */
 static CUtensorMap rows_map(void *p, long long rows, int k, int box_rows, CUtensorMapL2promotion promotion)
 {
     CUtensorMap map;
-    const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)k * 2};
-    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
-    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, elem_strides,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        printf("cuTensorMapEncodeTiled error %d\n", (int)r);
+    mx_status st;
+    if (!sm90_kmajor_map<__nv_bfloat16>(p, 2, k, rows, k, 1, 0, box_rows, &map, &st, promotion)) {
+        printf("%s\n", st.message);
         exit(1);
     }
     return map;
@@ -202,14 +168,6 @@ static void small_grid(const char *name, void *p, long long bytes, int k, int ct
 
 int main()
 {
-    void *entry = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess) {
-        printf("cuTensorMapEncodeTiled not found\n");
-        return 1;
-    }
-    encode = (encode_fn)entry;
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
