@@ -236,12 +236,18 @@ __global__ void __launch_bounds__(Shape::kThreads)
      * issue_a is called by the kLoaders threads. */
     const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
     auto slot = [&](int kb) { return (kb - kb0) % STAGES; };
-    auto issue_w = [&](int kb) {
+    /* k block kb's stage bytes announced on its barrier; its weight box 0
+     * (rows from row0) or 1 (from row1) */
+    auto expect_w = [&](int kb) { mbar_arrive_expect_tx(full_bar(slot(kb)), kRowsFromX ? W_BYTES : STAGE_BYTES); };
+    auto load_box = [&](int kb, int box) {
         const int s = slot(kb);
-        const uint32_t dst = base + static_cast<uint32_t>(s) * STAGE_BYTES;
-        mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? W_BYTES : STAGE_BYTES);
-        tma_load_3d(dst, &tma_w, full_bar(s), kb * BK, row0, expert);
-        tma_load_3d(dst + BOX_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+        tma_load_3d(base + static_cast<uint32_t>(s) * STAGE_BYTES + box * BOX_BYTES, &tma_w, full_bar(s), kb * BK,
+                    box ? row1 : row0, expert);
+    };
+    auto issue_w = [&](int kb) {
+        expect_w(kb);
+        load_box(kb, 0);
+        load_box(kb, 1);
     };
     /* k blocks kb and kb + 1 (if < kb1): each box's two k blocks issued together */
     auto issue_w_pair = [&](int kb) {
@@ -249,14 +255,12 @@ __global__ void __launch_bounds__(Shape::kThreads)
             issue_w(kb);
             return;
         }
-        const int s0 = slot(kb), s1 = slot(kb + 1);
-        const uint32_t d0 = base + static_cast<uint32_t>(s0) * STAGE_BYTES, d1 = base + static_cast<uint32_t>(s1) * STAGE_BYTES;
-        mbar_arrive_expect_tx(full_bar(s0), kRowsFromX ? W_BYTES : STAGE_BYTES);
-        mbar_arrive_expect_tx(full_bar(s1), kRowsFromX ? W_BYTES : STAGE_BYTES);
-        tma_load_3d(d0, &tma_w, full_bar(s0), kb * BK, row0, expert);
-        tma_load_3d(d1, &tma_w, full_bar(s1), (kb + 1) * BK, row0, expert);
-        tma_load_3d(d0 + BOX_BYTES, &tma_w, full_bar(s0), kb * BK, row1, expert);
-        tma_load_3d(d1 + BOX_BYTES, &tma_w, full_bar(s1), (kb + 1) * BK, row1, expert);
+        expect_w(kb);
+        expect_w(kb + 1);
+        load_box(kb, 0);
+        load_box(kb + 1, 0);
+        load_box(kb, 1);
+        load_box(kb + 1, 1);
     };
     auto issue_a = [&](int kb) {
         const int s = slot(kb);
