@@ -487,8 +487,10 @@ def test_fp8_moe_expert_parallel(method, strategy, device, gen):
             f"fp8 {method} ep sum vs bf16 layer")
 
 
+# 33 and 120 tokens (H = 200): the CUDA x quantizer in one block (256 / 800 threads); 160: two launches
+@pytest.mark.parametrize("m", [33, 120, 160])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_moe_expert_parallel_input_scale_over_local_tokens(method, device, gen):
+def test_fp8_moe_expert_parallel_input_scale_over_local_tokens(method, m, device, gen):
     """The per-tensor input scale covers the tokens with a local expert (abi.h): a token routed
     only to the other rank, however large, does not coarsen this rank's quantization."""
     ckpt, _ = checkpoint(gen, "qwen", e=E, h=H, i=I, dtype=torch.bfloat16)
@@ -496,9 +498,9 @@ def test_fp8_moe_expert_parallel_input_scale_over_local_tokens(method, device, g
     vllm_load(model, ckpt, "qwen")
     remote = [g for g in range(E) if int(layer.expert_map[g]) < 0]
     assert len(remote) >= K
-    x = randn(gen, 33, H)
+    x = randn(gen, m, H)
     x[3] *= 50.0  # far the largest |x|, routed to experts of rank 0 only
-    logits = randn(gen, 33, E, scale=2.0)
+    logits = randn(gen, m, E, scale=2.0)
     logits[3, remote[:K]] = 20.0
     x, logits = x.to(torch.bfloat16).to(device), logits.to(device)
     out = layer(x, logits)

@@ -77,16 +77,21 @@ __device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t ro
     return f.mode != MX_FP8_ROWS_SORTED || f.sorted_ids[row] >= 0;
 }
 
-/* x[0..4) to float32: one 8-byte (16-bit T) or 16-byte (float) load; x is
- * 4-element aligned. */
-template <typename T> __device__ __forceinline__ void load4(const T *x, float (&v)[4])
+/* A quad (4 consecutive elements) of T as loaded: 8 bytes (16-bit T) or 16 (float). */
+template <typename T> using quad_bits = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+
+template <typename T> __device__ __forceinline__ void unpack4(quad_bits<T> raw, float (&v)[4])
 {
-    using Raw = std::conditional_t<sizeof(T) == 4, float4, uint2>;
-    const Raw raw = *reinterpret_cast<const Raw *>(x);
     const T *e = reinterpret_cast<const T *>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
         v[i] = mx_to_float(e[i]);
+}
+
+/* x[0..4) to float32 in one load; x is 4-element aligned. */
+template <typename T> __device__ __forceinline__ void load4(const T *x, float (&v)[4])
+{
+    unpack4<T>(*reinterpret_cast<const quad_bits<T> *>(x), v);
 }
 
 /* four fp8 bytes (the first in the low byte) in one 4-byte store (q 4-byte aligned) */
@@ -242,15 +247,24 @@ constexpr int64_t kTensorQuantUnits = 16384;
  * M = 1024 (43008) 35 -> 40, DeepSeek-V3 M = 1024 (40896) 24.7 -> 28.6
  * (H200, 2026-11-26, logs/2026-11-26-nvidia-h200-ab-decode-ring-act-quant.txt). */
 constexpr int64_t kTensorQuantUnitsAtomic = 32768;
-/* x of at most this many elements (4-element aligned rows) is quantized per
- * tensor by one block in one launch (rows_quant_tensor_one_block_kernel),
- * whose threads walk the amax pass one 4-element load at a time: against
- * the two launches, forwards at M = 1 (fp8_tensor, H200, 2026-11-26,
- * logs/2026-11-26-nvidia-h200-ab-x-quant-one-block.txt) qwen3moe (2048
+/* x of at most kOneBlockQuads quads of q (rows x ldq / 4; 4-element
+ * aligned rows) and kOneBlockRows rows is quantized per tensor by one block
+ * in one launch (rows_quant_tensor_one_block_kernel): each thread holds up
+ * to kOneBlockSlots quads of x in registers from one round of loads. Its
+ * first form (256 threads walking the amax one load at a time, then a warp
+ * per row quantizing after a second read; up to 8192 elements) against the
+ * two launches, forwards at M = 1 (fp8_tensor, H200, 2026-11-26,
+ * logs/2026-11-26-nvidia-h200-ab-x-quant-one-block.txt): qwen3moe (2048
  * elements) 29.0 -> 27.4 us, Mixtral (4096) 108.0 -> 106.3, DeepSeek-V3
- * (7168) 108.6 -> 106.3; at 16384 (qwen3moe M = 8) 88.7 -> 94.6 (the
- * quantizer 15 us: 16 serial loads a thread). */
-constexpr int64_t kTensorQuantOneBlock = 8192;
+ * (7168) 108.6 -> 106.3; at 16384 (qwen3moe M = 8) 88.7 -> 94.6. This
+ * form against the first, two rounds (logs/2026-11-26-nvidia-h200-bench-
+ * ab-x-quant-registers.txt): Mixtral M = 1 103.2 -> 101.7 us, DeepSeek-V3
+ * 104.7 -> 103.4, qwen3moe M = 1 / 8 -0.5%, Mixtral M = 8 (32768
+ * elements, now one block of 1024 threads) -0.4%. */
+constexpr int kOneBlockSlots = 8;
+constexpr int kOneBlockMaxThreads = 1024;
+constexpr int64_t kOneBlockQuads = int64_t(kOneBlockSlots) * kOneBlockMaxThreads;
+constexpr int64_t kOneBlockRows = 1024;
 __host__ __device__ inline int64_t tensor_quant_chunks(int64_t ldq)
 {
     return ldq > 0 ? (ldq / 4 + 32 * kTensorQuads - 1) / (32 * kTensorQuads) : 1;
@@ -435,31 +449,72 @@ __global__ void __launch_bounds__(kQuantThreads)
     }
 }
 
-/* rows_amax_kernel + rows_quant_tensor_kernel in one block, for an x of at
- * most kTensorQuantOneBlock elements (decode): the amax of the valid rows,
- * the scale (and the reset of act's amax), then a warp per row quantizes
- * it. The same bits as the two launches, one launch and one wait less. */
+/* rows_amax_kernel + rows_quant_tensor_kernel in one block (decode): the
+ * thread's quads g = threadIdx.x + blockDim.x * i of x, flat over rows of
+ * ldq / 4 quads (columns past cols: zeros), and the rows' filter flags are
+ * all loaded before any is used, so the block waits on one round of
+ * memory; then the amax of the valid rows, the scale (and the reset of
+ * act's amax), and the quads quantized from registers. The same bits as the
+ * two launches. */
 template <typename T>
-__global__ void __launch_bounds__(kQuantThreads)
+__global__ void __launch_bounds__(kOneBlockMaxThreads)
     rows_quant_tensor_one_block_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                                        const mx_fp8_row_filter f, uint32_t *reset, uint8_t *__restrict__ q,
                                        int64_t ldq, float *__restrict__ scale)
 {
+    __shared__ unsigned char keep[kOneBlockRows];
+    __shared__ float warp_max[kOneBlockMaxThreads / 32];
     mx_griddep_wait();
     mx_griddep_launch_dependents();
-    const float s = mx_fp8_tensor_scale(block_max(rows_amax_part<T, true>(x, rows, cols, ldx, f, 0, 1)));
+    const unsigned per_row = static_cast<unsigned>(ldq / 4), total = static_cast<unsigned>(rows) * per_row;
+    /* slot i: its row << 16 | its quad in the row (rows and quads a row < 2^16), and x's bits */
+    unsigned at[kOneBlockSlots];
+    quad_bits<T> bits[kOneBlockSlots];
+#pragma unroll
+    for (int i = 0; i < kOneBlockSlots; ++i) {
+        const unsigned g = threadIdx.x + blockDim.x * i, r = g / per_row, c = 4 * (g - r * per_row);
+        at[i] = r << 16 | (c / 4);
+        if (g < total && c < cols)
+            bits[i] = *reinterpret_cast<const quad_bits<T> *>(x + r * ldx + c);
+    }
+    const int64_t live = live_rows(f, rows);
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+        keep[r] = r < live && row_valid(f, r);
+    __syncthreads();
+    auto used = [&](int i) { return threadIdx.x + blockDim.x * i < total && keep[at[i] >> 16]; };
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kOneBlockSlots; ++i) {
+        if (used(i) && 4 * (at[i] & 0xffffu) < cols) {
+            float v[4];
+            unpack4<T>(bits[i], v);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                m = mx_amax_step(m, v[e]);
+        }
+    }
+    m = mx_warp_max(m);
+    if ((threadIdx.x & 31) == 0)
+        warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = warp_max[0];
+    for (unsigned w = 1; w < blockDim.x / 32; ++w)
+        m = mx_max_nan(m, warp_max[w]);
+    const float s = mx_fp8_tensor_scale(m);
     const float inv = __fdiv_rn(1.0f, s);
     if (threadIdx.x == 0) {
         *scale = s;
         if (reset)
             *reset = 0u;
     }
-    const int64_t quads = ldq / 4, live = live_rows(f, rows);
-    for (int64_t row = threadIdx.x >> 5; row < live; row += kQuantThreads / 32) {
-        if (!row_valid(f, row))
-            continue;
-        for (int64_t q0 = threadIdx.x & 31; q0 < quads; q0 += 32 * kTensorQuads)
-            quant_tensor_chunk(x + row * ldx, q + row * ldq, q0, cols, ldq, inv);
+#pragma unroll
+    for (int i = 0; i < kOneBlockSlots; ++i) {
+        if (used(i)) {
+            const unsigned c = 4 * (at[i] & 0xffffu);
+            float v[4];
+            unpack4<T>(bits[i], v);
+            store4(q + (at[i] >> 16) * ldq + c, c < cols ? encode4_scaled(v, inv) : 0u);
+        }
     }
 }
 
@@ -662,11 +717,16 @@ extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t row
                                             stream);
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-        if (rows * cols <= kTensorQuantOneBlock && rows_vec4<T>(x, cols, ldx, q, ldq))
-            return mx_check_call(mx_launch_after(rows_quant_tensor_one_block_kernel<T>, dim3(1), dim3(kQuantThreads), 0,
+        const int64_t quads = rows * (ldq / 4);
+        if (quads <= kOneBlockQuads && rows <= kOneBlockRows && rows_vec4<T>(x, cols, ldx, q, ldq)) {
+            /* kOneBlockSlots quads a thread, whole warps, at least 256 threads */
+            const int64_t threads = mx_ceil_div(mx_ceil_div(quads, kOneBlockSlots), 32) * 32;
+            const unsigned block = static_cast<unsigned>(threads < kQuantThreads ? kQuantThreads : threads);
+            return mx_check_call(mx_launch_after(rows_quant_tensor_one_block_kernel<T>, dim3(1), dim3(block), 0,
                                                  stream, static_cast<const T *>(x), rows, cols, ldx, *filter, reset, q,
                                                  ldq, scales),
                                  "rows_quant_tensor_one_block_kernel");
+        }
         const mx_status st = mx_cuda_fp8_rows_amax(x, dt, rows, cols, ldx, filter, partials, reset, stream);
         if (st.code != MX_OK)
             return st;
