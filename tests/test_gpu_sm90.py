@@ -76,14 +76,16 @@ def test_decode_gemm1_ring_by_last_wave(tail, gen):
     assert any(gemm1 in n for n in names), names
 
 
-# (E, top_k, M, H, I, the 16-token kernel that pairs its loads: "template arguments KIND, quant>")
+# (E, top_k, M, H, I, the 16-token kernel that pairs its loads: "template arguments stages, true>, KIND,
+# quant>")
 PAIRED_CASES = [
-    (16, 2, 8, 648, 2560, "0, 0>"),  # GEMM1: ~432 CTAs on the deep ring; 11 k blocks, a single last one
-    (64, 8, 8, 1608, 136, "3, 0>"),  # GEMM2: ~580 CTAs; 3 k blocks, fewer than the stages
+    (16, 2, 8, 648, 2560, "6, true>, 0, 0>"),  # GEMM1: ~432 CTAs on the deep ring; 11 k blocks, a single last one
+    (64, 8, 8, 1608, 136, "4, true>, 3, 0>"),  # GEMM2 over short K (shallow ring): ~580 CTAs; 3 k blocks
+    (32, 8, 8, 1608, 1160, "6, true>, 3, 0>"),  # GEMM2 over 19 k blocks (deep ring): ~410 CTAs, a single last one
 ]
 
 
-@pytest.mark.parametrize("case", PAIRED_CASES, ids=["gemm1", "gemm2"])
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=["gemm1", "gemm2", "gemm2-long"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_paired_loads(case, dtype, gen):
     """16-token grids that fill every CTA slot of their ring issue each box's two k blocks together
@@ -92,7 +94,7 @@ def test_decode_paired_loads(case, dtype, gen):
     layer, _, reference = cuda_case(gen, dtype, e, dict(top_k=k), False, h=h, i=i)
     names = checked_forward(gen, dtype, layer, reference, m, e)
     if on_hopper():
-        assert any(DECODE_KERNEL in n and f"mx_sm90_decode_shape<16, 6, true>, {kernel}" in n for n in names), names
+        assert any(DECODE_KERNEL in n and f"mx_sm90_decode_shape<16, {kernel}" in n for n in names), names
 
 
 @pytest.mark.parametrize("m", [1, 2, 7])

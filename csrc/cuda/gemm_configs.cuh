@@ -158,8 +158,9 @@ typedef mx_sm90_decode_shape<64, 4> mx_tile_sm90_mid;
  * fp8_tensor M = 512 139.6 -> 126.2 us, fp8_block 158.9 -> 154.9, bf16
  * 220.8 -> 214.1; Mixtral bf16 M = 8 / 128 287.9 -> 280.1 / 481.3 -> 473.4;
  * qwen3moe bf16 M = 1 / 64 22.3 -> 22.1 / 194.8 -> 196.9. GEMM2 keeps the
- * deeper rings: with them Mixtral's (8 experts, split-K at M = 1) lost 7-12%
- * (bf16 M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
+ * deeper rings but over short K (kSm90DecodeDownShallowKBlocks): on the
+ * shallow ring Mixtral's (8 experts, split-K at M = 1) lost 7-12% (bf16
+ * M = 128 226.7 -> 253.4 us), qwen3moe's bf16 at M = 1 4.1 -> 5.9. */
 template <typename Shape>
 using mx_sm90_decode_gemm1_shape = mx_sm90_decode_shape<Shape::kBlockT, Shape::kBlockT == 16 ? 4 : 3>;
 /* Paired weight loads (mx_sm90_decode_shape PAIRED) on 16-token tiles
@@ -195,6 +196,21 @@ using mx_sm90_decode_paired = mx_sm90_decode_shape<Shape::kBlockT, Shape::kStage
  * read-ahead of each row's next 128 bytes keeps bytes in flight (promotion
  * 128B on every map: GEMM1 +2..+5%). */
 constexpr int64_t kSm90DecodeDownShortRowBytes = 8192;
+/* GEMM2 in the decode kernel without split-K and of at most this many k
+ * blocks (128 bytes of K) a CTA takes GEMM1's shallow ring too
+ * (mx_sm90_decode_gemm1_shape: 3 CTAs per SM; 16-token tiles paired where
+ * the grid fills it): a short CTA's ring fill and epilogue then overlap two
+ * others' streams. bench_moe A/B, two rounds each (H200, 2026-11-26):
+ * 32- to 64-token tiles DeepSeek-V3 fp8_block M = 512 / 1024 2486 -> 2440
+ * / 3277 -> 3187 us, fp8_tensor 2355 -> 2330 / 2878 -> 2819, qwen3moe
+ * bf16 M = 256 / 512 -0.5 / -0.6%; 16-token tiles DeepSeek-V3 fp8_block
+ * M = 32 / 128 -1.0 / -1.8%, fp8_tensor -0.7 / -1.2%, qwen3moe bf16 M = 8
+ * -0.4%, its M = 1 (split-K: deep ring kept) and other points within
+ * 0.2% (benchmarks/results/logs/2026-11-26-nvidia-h200-bench-ab-down-
+ * shallow-ring.txt). At 48 k blocks (gpt-oss bf16: 45) gpt-oss M = 64..256
+ * lost 0.4-0.6%; the deep ring stays for long K (Mixtral lost 7-12% on the
+ * shallow ring). */
+constexpr int64_t kSm90DecodeDownShallowKBlocks = 16;
 
 enum mx_tile_config {
     MX_TILE_DECODE = 0,

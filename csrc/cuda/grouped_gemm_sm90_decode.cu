@@ -1,9 +1,9 @@
 /* Instantiations of the Hopper decode kernels: bfloat16 and float16
  * operands, and float8_e4m3 operands with per-tensor or 128x128 block
  * scales and a bfloat16 / float16 act dtype; 16-, 32-, 48- and 64-token
- * tiles (GEMM1 kinds with fewer stages: gemm_configs.cuh
- * mx_sm90_decode_gemm1_shape; 16-token tiles also with paired weight
- * loads, mx_sm90_decode_paired). The four expert kinds and LINEAR run
+ * tiles (GEMM1 kinds, and GEMM2 over short K, with fewer stages:
+ * gemm_configs.cuh mx_sm90_decode_gemm1_shape; 16-token tiles also with
+ * paired weight loads, mx_sm90_decode_paired). The four expert kinds and LINEAR run
  * grouped_gemm_sm90_decode.cuh;
  * FP8 GEMM2 runs the persistent grouped_gemm_sm90_decode_down.cuh where its
  * rule (sm90_decode_down_grid) says that pays. */
@@ -96,13 +96,23 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
             if (grid > 0)
                 return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, grid, stream);
         }
-        if constexpr (Shape::kBlockT == 16)
-            return launch_sm90_decode_by_fill<TA, T, Shape, MX_GEMM_DOWN, QUANT>(
-                *g, sc, local_experts, m_tiles,
-                decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) *
-                    g->k_splits,
-                stream);
-        return launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        {
+            /* short K on GEMM1's shallow ring (gemm_configs.cuh kSm90DecodeDownShallowKBlocks) */
+            typedef mx_sm90_decode_gemm1_shape<Shape> Shallow;
+            const bool shallow = g->k_splits == 1 && mx_ceil_div(g->k * static_cast<int64_t>(sizeof(TA)), 128) <=
+                                                         kSm90DecodeDownShallowKBlocks;
+            if constexpr (Shape::kBlockT == 16) {
+                const int64_t ctas =
+                    decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) *
+                    g->k_splits;
+                return shallow ? launch_sm90_decode_by_fill<TA, T, Shallow, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts,
+                                                                                                m_tiles, ctas, stream)
+                               : launch_sm90_decode_by_fill<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts,
+                                                                                              m_tiles, ctas, stream);
+            }
+            return shallow ? launch_sm90_decode<TA, T, Shallow, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream)
+                           : launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        }
     case MX_GEMM_LINEAR:
         if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
             return launch_sm90_decode<TA, T, Shape, MX_GEMM_LINEAR, QUANT>(*g, sc, local_experts, m_tiles, stream);
