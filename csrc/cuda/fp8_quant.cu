@@ -37,18 +37,18 @@ namespace {
 constexpr int kQuantThreads = 256;
 constexpr int kAmaxParts = 1024; /* blocks (and partial maxima) of the pipeline amax pass */
 
-/* max over the block of v (256 threads), returned to every thread;
- * callable repeatedly in one kernel. */
-__device__ __forceinline__ float block_max(float v)
+/* max over the block of v (kQuantThreads threads, or `warps` warps up to
+ * 32), returned to every thread; callable repeatedly in one kernel. */
+__device__ __forceinline__ float block_max(float v, int warps = kQuantThreads / 32)
 {
-    __shared__ float warp_max[kQuantThreads / 32];
+    __shared__ float warp_max[32];
     v = mx_warp_max(v);
     if ((threadIdx.x & 31) == 0)
         warp_max[threadIdx.x >> 5] = v;
     __syncthreads();
     float m = warp_max[0];
 #pragma unroll
-    for (int w = 1; w < kQuantThreads / 32; ++w)
+    for (int w = 1; w < warps; ++w)
         m = mx_max_nan(m, warp_max[w]);
     __syncthreads(); /* everyone has read warp_max before the next call writes it */
     return m;
@@ -325,18 +325,19 @@ __global__ void __launch_bounds__(kQuantThreads)
 
 /* ---- pipeline per tensor ------------------------------------------------------ */
 
-/* The thread's amax over rows first, first + step, ... of the valid rows
- * (this block's share). kVec4 (here and in rows_quant_tensor_kernel):
- * 4-element aligned rows (x, q, cols, ldx, ldq); each thread takes 4
- * consecutive columns at a time. */
+/* kVec4 (here and in rows_quant_tensor_kernel): 4-element aligned rows (x,
+ * q, cols, ldx, ldq); each thread takes 4 consecutive columns at a time. */
 template <typename T, bool kVec4>
-__device__ __forceinline__ float rows_amax_part(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
-                                                const mx_fp8_row_filter &f, int64_t first, int64_t step)
+__global__ void __launch_bounds__(kQuantThreads)
+    rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
+                     float *__restrict__ partials, uint32_t *reset)
 {
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     constexpr int kStep = kVec4 ? 4 : 1;
     float m = 0.0f;
     const int64_t live = live_rows(f, rows);
-    for (int64_t row = first; row < live; row += step) {
+    for (int64_t row = blockIdx.x; row < live; row += gridDim.x) {
         if (!row_valid(f, row))
             continue;
         for (int64_t c = kStep * threadIdx.x; c < cols; c += kStep * kQuantThreads) {
@@ -351,42 +352,11 @@ __device__ __forceinline__ float rows_amax_part(const T *__restrict__ x, int64_t
             }
         }
     }
-    return m;
-}
-
-template <typename T, bool kVec4>
-__global__ void __launch_bounds__(kQuantThreads)
-    rows_amax_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, const mx_fp8_row_filter f,
-                     float *__restrict__ partials, uint32_t *reset)
-{
-    mx_griddep_wait();
-    mx_griddep_launch_dependents();
-    const float m = block_max(rows_amax_part<T, kVec4>(x, rows, cols, ldx, f, blockIdx.x, gridDim.x));
+    m = block_max(m);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = m;
         if (reset && blockIdx.x == 0)
             *reset = 0u;
-    }
-}
-
-/* One chunk of a 4-element aligned row: lane l quantizes quads q0 + 32 i
- * (i < kTensorQuads) of xr into qr with the tensor scale's reciprocal inv,
- * all loads before the stores; columns cols..ldq get zeros. */
-template <typename T>
-__device__ __forceinline__ void quant_tensor_chunk(const T *xr, uint8_t *qr, int64_t q0, int64_t cols, int64_t ldq,
-                                                   float inv)
-{
-    float v[kTensorQuads][4];
-#pragma unroll
-    for (int i = 0; i < kTensorQuads; ++i)
-        if (4 * (q0 + 32 * i) < cols)
-            load4(xr + 4 * (q0 + 32 * i), v[i]);
-#pragma unroll
-    for (int i = 0; i < kTensorQuads; ++i) {
-        const int64_t c = 4 * (q0 + 32 * i);
-        if (c >= ldq)
-            break;
-        store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
     }
 }
 
@@ -423,7 +393,22 @@ __global__ void __launch_bounds__(kQuantThreads)
         const int64_t quads = ldq / 4, chunks = tensor_quant_chunks(ldq);
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5);
         const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32), live = live_rows(f, rows);
-        auto chunk = [&](int64_t row, int64_t q0) { quant_tensor_chunk(x + row * ldx, q + row * ldq, q0, cols, ldq, inv); };
+        auto chunk = [&](int64_t row, int64_t q0) {
+            const T *xr = x + row * ldx;
+            uint8_t *qr = q + row * ldq;
+            float v[kTensorQuads][4];
+#pragma unroll
+            for (int i = 0; i < kTensorQuads; ++i)
+                if (4 * (q0 + 32 * i) < cols)
+                    load4(xr + 4 * (q0 + 32 * i), v[i]);
+#pragma unroll
+            for (int i = 0; i < kTensorQuads; ++i) {
+                const int64_t c = 4 * (q0 + 32 * i);
+                if (c >= ldq)
+                    break;
+                store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
+            }
+        };
         if (live * chunks <= warps) {
             const int64_t row = warp / chunks;
             if (row < live && row_valid(f, row))
@@ -463,7 +448,6 @@ __global__ void __launch_bounds__(kOneBlockMaxThreads)
                                        int64_t ldq, float *__restrict__ scale)
 {
     __shared__ unsigned char keep[kOneBlockRows];
-    __shared__ float warp_max[kOneBlockMaxThreads / 32];
     mx_griddep_wait();
     mx_griddep_launch_dependents();
     const unsigned per_row = static_cast<unsigned>(ldq / 4), total = static_cast<unsigned>(rows) * per_row;
@@ -493,14 +477,7 @@ __global__ void __launch_bounds__(kOneBlockMaxThreads)
                 m = mx_amax_step(m, v[e]);
         }
     }
-    m = mx_warp_max(m);
-    if ((threadIdx.x & 31) == 0)
-        warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = warp_max[0];
-    for (unsigned w = 1; w < blockDim.x / 32; ++w)
-        m = mx_max_nan(m, warp_max[w]);
-    const float s = mx_fp8_tensor_scale(m);
+    const float s = mx_fp8_tensor_scale(block_max(m, static_cast<int>(blockDim.x / 32)));
     const float inv = __fdiv_rn(1.0f, s);
     if (threadIdx.x == 0) {
         *scale = s;

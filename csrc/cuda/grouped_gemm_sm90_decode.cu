@@ -28,18 +28,17 @@ inline int64_t decode_likely_ctas(const mx_gemm_args &g, int64_t local_experts, 
     return static_cast<int64_t>(tiles * static_cast<double>(n_tiles) + 0.5);
 }
 
+constexpr const char *kDecodeKernelName = "grouped_gemm_sm90_decode_kernel";
+
 /* Ring on 16-token tiles, with paired weight loads (gemm_configs.cuh
  * mx_sm90_decode_paired) where its grid likely fills every CTA slot of it at
- * least once (`ctas` from decode_likely_ctas); a grid of fewer CTAs keeps
+ * least once (`ctas` from decode_likely_ctas, `slots` the ring's CTAs that
+ * fit the GPU at once, from sm90_decode_opt_in); a grid of fewer CTAs keeps
  * one-slot refills and the 256B promotion's read-ahead. */
 template <typename TA, typename T, typename Ring, int KIND, int QUANT>
 mx_status launch_sm90_decode_by_fill(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts,
-                                     int64_t m_tiles, int64_t ctas, cudaStream_t stream)
+                                     int64_t m_tiles, int64_t ctas, int slots, cudaStream_t stream)
 {
-    int slots = 0;
-    const mx_status st = sm90_decode_opt_in<TA, T, Ring, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
-    if (st.code != MX_OK)
-        return st;
     if (ctas >= slots)
         return launch_sm90_decode<TA, T, mx_sm90_decode_paired<Ring>, KIND, QUANT>(g, sc, local_experts, m_tiles,
                                                                                    stream);
@@ -61,14 +60,20 @@ mx_status launch_sm90_decode_gemm1(const mx_gemm_args &g, const mx_sm90_scales &
     typedef mx_sm90_decode_gemm1_shape<Shape> Shallow;
     if constexpr (Shape::kBlockT == 16) {
         int slots = 0;
-        const mx_status st = sm90_decode_opt_in<TA, T, Shallow, KIND, QUANT>("grouped_gemm_sm90_decode_kernel", &slots);
+        mx_status st = sm90_decode_opt_in<TA, T, Shallow, KIND, QUANT>(kDecodeKernelName, &slots);
         if (st.code != MX_OK)
             return st;
         const int64_t n_tiles = KIND == MX_GEMM_UP ? mx_ceil_div(g.n_rows, 128) : mx_ceil_div(g.out_cols, 64);
         const int64_t ctas = decode_likely_ctas(g, local_experts, m_tiles, Shape::kBlockT, n_tiles);
-        if (ctas > slots && 3 * (ctas % slots) < slots)
-            return launch_sm90_decode_by_fill<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, stream);
-        return launch_sm90_decode_by_fill<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, stream);
+        if (ctas > slots && 3 * (ctas % slots) < slots) {
+            st = sm90_decode_opt_in<TA, T, Shape, KIND, QUANT>(kDecodeKernelName, &slots);
+            if (st.code != MX_OK)
+                return st;
+            return launch_sm90_decode_by_fill<TA, T, Shape, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, slots,
+                                                                         stream);
+        }
+        return launch_sm90_decode_by_fill<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, ctas, slots,
+                                                                       stream);
     }
     return launch_sm90_decode<TA, T, Shallow, KIND, QUANT>(g, sc, local_experts, m_tiles, stream);
 }
@@ -97,21 +102,26 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
                 return launch_sm90_decode_down<T, Shape, QUANT>(*g, sc, local_experts, m_tiles, grid, stream);
         }
         {
+            /* on Ring: 16-token tiles paired where the grid fills it */
+            auto launch_on = [&](auto ring) -> mx_status {
+                typedef decltype(ring) Ring;
+                if constexpr (Shape::kBlockT == 16) {
+                    int slots = 0;
+                    const mx_status st = sm90_decode_opt_in<TA, T, Ring, MX_GEMM_DOWN, QUANT>(kDecodeKernelName, &slots);
+                    if (st.code != MX_OK)
+                        return st;
+                    const int64_t ctas =
+                        decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) *
+                        g->k_splits;
+                    return launch_sm90_decode_by_fill<TA, T, Ring, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles,
+                                                                                        ctas, slots, stream);
+                }
+                return launch_sm90_decode<TA, T, Ring, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+            };
             /* short K on GEMM1's shallow ring (gemm_configs.cuh kSm90DecodeDownShallowKBlocks) */
-            typedef mx_sm90_decode_gemm1_shape<Shape> Shallow;
             const bool shallow = g->k_splits == 1 && mx_ceil_div(g->k * static_cast<int64_t>(sizeof(TA)), 128) <=
                                                          kSm90DecodeDownShallowKBlocks;
-            if constexpr (Shape::kBlockT == 16) {
-                const int64_t ctas =
-                    decode_likely_ctas(*g, local_experts, m_tiles, Shape::kBlockT, mx_ceil_div(g->n_rows, 128)) *
-                    g->k_splits;
-                return shallow ? launch_sm90_decode_by_fill<TA, T, Shallow, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts,
-                                                                                                m_tiles, ctas, stream)
-                               : launch_sm90_decode_by_fill<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts,
-                                                                                              m_tiles, ctas, stream);
-            }
-            return shallow ? launch_sm90_decode<TA, T, Shallow, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream)
-                           : launch_sm90_decode<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+            return shallow ? launch_on(mx_sm90_decode_gemm1_shape<Shape>()) : launch_on(Shape());
         }
     case MX_GEMM_LINEAR:
         if constexpr (QUANT != MX_QUANT_NONE) /* dense FP8 layers only */
