@@ -15,7 +15,7 @@ import torch
 import moe_ext
 from helpers import capture_forward, kernels_of, on_hopper, randn
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
-from test_gpu_sm90 import GATHER_KERNEL, PERSISTENT_KERNEL, expected_gemm_kernel
+from test_gpu_sm90 import PERSISTENT_KERNEL, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
@@ -104,17 +104,34 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
         tile = expected_gemm_kernel(m * k / e)
         if tile == PERSISTENT_KERNEL:
             assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
-            # FP8 GEMM1 gathers its rows for the TMA (16-bit reads x in the kernel: sm90_rows_from_x)
-            assert any(GATHER_KERNEL in n for n in names), names
         else:
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
             assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
-            assert not any(GATHER_KERNEL in n for n in names), names
             # block scales: on 16- and 32-token tiles GEMM1's epilogue quantizes act, so the only
             # group quantizer left is x's
             quantizers = [n for n in names if "group_quant" in n]
             act_in_gemm1 = any(f"<{t}," in tile for t in (16, 32))
             assert len(quantizers) == (0 if method == "tensor" else 1 if act_in_gemm1 else 2), names
+
+
+# 32 tokens: routing and the sort in one launch (route_align); 100: the one-block sort; 300: the
+# split sort (2400 pairs)
+@pytest.mark.parametrize("m", [32, 100, 300])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_persistent_expert_parallel(method, m, gen):
+    """Expert parallel on the persistent kernel: the x quantizer writes each token's row to the
+    sorted rows of its local pairs (moe_align's pair_rows), so the pairs of other ranks' experts
+    must get none. 4 of 64 experts local, top-8: the rule counts all M k pairs per local expert
+    (>= 64 from 32 tokens), while only about an eighth of the tokens have a local expert."""
+    e, k, h, i = 64, 8, 272, 192
+    model, layer = fp8_model("qwen", method, "cuda", e=e, k=k, h=h, i=i, ep_size=16, ep_rank=5)
+    ckpt, _ = checkpoint(gen, "qwen", e=e, h=h, i=i, dtype=torch.bfloat16)
+    vllm_load(model, ckpt, "qwen", num_experts=e)
+    assert layer.local_num_experts == 4
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} persistent ep M={m}")
+    if on_hopper():
+        assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
+        assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -166,7 +166,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
     const int64_t H = p->hidden_size, I = p->intermediate_size;
 
-    st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles, stream);
+    st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles, nullptr, stream);
     if (st.code != MX_OK)
         return st;
 

@@ -77,18 +77,19 @@ extern "C" {
 
 /* moe_align.cu. align_ws: mx_moe_align_workspace_bytes(pairs,
  * local_experts) of int32 scratch; sorted_ids: [rows_max]; tile_expert:
- * [tiles_max]; num_tiles: [1]. */
+ * [tiles_max]; num_tiles: [1]; pair_rows: [pairs] or NULL (moe_align.cuh). */
 size_t mx_moe_align_workspace_bytes(int64_t pairs, int64_t local_experts);
 mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, int64_t pairs,
                             int64_t global_experts, int64_t local_experts, int block_m, int32_t *align_ws,
-                            int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream);
+                            int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles, int32_t *pair_rows,
+                            cudaStream_t stream);
 
 /* route_align.cu: routing when p->routing is set (fused with the sort into
  * one launch when M is small), then the sort of mx_cuda_moe_align with
  * p's ids, experts and pairs. */
 mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *align_ws,
                                   int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
-                                  cudaStream_t stream);
+                                  int32_t *pair_rows, cudaStream_t stream);
 
 /* moe_scale_input.cu: x_scaled[t] = x[t] * topk_weights[t, 0], both rounded to dtype. */
 mx_status mx_cuda_moe_scale_input(const void *x, const float *topk_weights, int64_t tokens, int64_t hidden,

@@ -16,11 +16,13 @@
  *   3. x -> x_q                 TENSOR: rows_amax_kernel (block maxima over the
  *                               rows of tokens with a local expert; also zeroes
  *                               act_amax) + rows_quant_tensor_kernel;
- *                               BLOCK: group_quant_kernel (x_scale [M, H/128])
+ *                               BLOCK: group_quant_kernel (x_scale [M, H/128]);
+ *                               Hopper persistent configs: each token's q row
+ *                               goes to the sorted rows of its local pairs
+ *                               (by pair_rows), GEMM1's A for its TMA loads
  *   4. GEMM1 (fp8)              act = act(x_q[token] @ w13[e].T * scales + b13),
- *                               (Hopper persistent configs: x_q rows gathered
- *                               into sorted order first, grouped_gemm_fp8_sm90.cu;
- *                               the decode kernel reads x_q rows by token)
+ *                               (the persistent kernel reads x_q rows in sorted
+ *                               order, the decode kernel by token)
  *                               rounded to the act dtype; TENSOR: atomic amax of act
  *   5. act -> act_q             TENSOR: rows_quant_tensor_kernel with the scale
  *                               from act_amax; BLOCK: group_quant_kernel
@@ -43,9 +45,10 @@
  *   partials         f32 [mx_fp8_amax_parts(M)]   TENSOR: amax of x per block
  *   tile_expert      int32 [tiles_max]
  *   sorted_ids       int32 [rows_max]
+ *   pair_rows        int32 [M k]                  persistent SM90 configs: each pair's sorted row
  *   x_scaled         act [M, H]                   only with apply_router_weight_on_input
- *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16
- *   x_q_sorted       fp8 [rows_max, H]            persistent SM90 configs: GEMM1's gathered A
+ *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16; persistent SM90
+ *                                                 configs: [rows_max, ld_xq], rows in sorted order
  *   x_scale          f32 [M, H/128]               BLOCK
  *   act              act [rows_max, ld_act]       ld_act = I rounded up to 8
  *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
@@ -70,8 +73,9 @@ typedef struct fp8_plan {
     int64_t ld_xq, ld_act, ld_aq, x_blocks, act_blocks;
     int down_splits;
     int64_t down_split_len;
-    size_t off_align, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids,
-        off_x_scaled, off_x_q, off_x_q_sorted, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
+    bool a_sorted; /* the persistent SM90 configs: x quantized into GEMM1's sorted rows */
+    size_t off_align, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids, off_pair_rows,
+        off_x_scaled, off_x_q, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
     size_t total_bytes;
 } fp8_plan;
 
@@ -96,6 +100,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->act_blocks = mx_ceil_div(I, kFp8Block);
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
+    plan->a_sorted = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
     size_t at = 0;
     plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(plan->pairs, local));
     plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
@@ -103,10 +108,9 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
+    plan->off_pair_rows = mx_ws_take(&at, plan->a_sorted ? sizeof(int32_t) * plan->pairs : 0);
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
-    plan->off_x_q = mx_ws_take(&at, static_cast<size_t>(M * plan->ld_xq));
-    const bool persistent_sm90 = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
-    plan->off_x_q_sorted = mx_ws_take(&at, persistent_sm90 ? static_cast<size_t>(plan->rows_max * H) : 0);
+    plan->off_x_q = mx_ws_take(&at, static_cast<size_t>((plan->a_sorted ? plan->rows_max : M) * plan->ld_xq));
     plan->off_x_scale = mx_ws_take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
     plan->off_act_q = mx_ws_take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
@@ -166,9 +170,9 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *partials = reinterpret_cast<float *>(ws + plan.off_partials);
     int32_t *tile_expert = reinterpret_cast<int32_t *>(ws + plan.off_tile_expert);
     int32_t *sorted_ids = reinterpret_cast<int32_t *>(ws + plan.off_sorted_ids);
+    int32_t *pair_rows = plan.a_sorted ? reinterpret_cast<int32_t *>(ws + plan.off_pair_rows) : nullptr;
     void *x_scaled = ws + plan.off_x_scaled;
     uint8_t *x_q = ws + plan.off_x_q;
-    uint8_t *x_q_sorted = ws + plan.off_x_q_sorted;
     float *x_scale = reinterpret_cast<float *>(ws + plan.off_x_scale);
     void *act = ws + plan.off_act;
     uint8_t *act_q = ws + plan.off_act_q;
@@ -176,7 +180,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
 
     mx_status st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles,
-                                           stream);
+                                           pair_rows, stream);
     if (st.code != MX_OK)
         return st;
 
@@ -196,6 +200,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     routed.top_k = p->top_k;
     routed.global_experts = p->global_num_experts;
     routed.local_experts = p->num_local_experts;
+    routed.dest_rows = pair_rows;
     st = mx_cuda_fp8_quant_a(x, p->act_dtype, M, H, H, &routed, p->quant, partials, act_amax, x_q, plan.ld_xq,
                              block ? x_scale : x_tensor_scale, plan.x_blocks, stream);
     if (st.code != MX_OK)
@@ -244,7 +249,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     }
     /* right after the x quantizer: the decode kernel reads the tile table
      * before waiting for the kernel ahead (grouped_gemm_sm90_decode.cuh) */
-    st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g1, kind1, p->quant, plan.tile_config, p->num_local_experts, x_q_sorted,
+    st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g1, kind1, p->quant, plan.tile_config, p->num_local_experts,
                                               plan.tiles_max, stream)
               : mx_cuda_grouped_gemm_fp8(&g1, kind1, p->quant, plan.tile_config, aligned1, plan.tiles_max, stream);
     if (st.code != MX_OK)
@@ -289,7 +294,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g2.k_split_len = plan.down_split_len;
     g2.out_split_stride = plan.pairs * H;
     st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, p->num_local_experts,
-                                              nullptr, plan.tiles_max, stream)
+                                              plan.tiles_max, stream)
               : mx_cuda_grouped_gemm_fp8(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max,
                                          stream);
     if (st.code != MX_OK)

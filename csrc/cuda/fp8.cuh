@@ -147,13 +147,18 @@ typedef struct mx_fp8_row_filter {
     const int32_t *sorted_ids; /* SORTED: [rows] */
     const int32_t *num_tiles;  /* SORTED: [1] (device) */
     int block_m;
+    /* ROUTED, or NULL: the q rows of row t are q's rows dest_rows[t * top_k + j]
+     * that are >= 0 (the sorted rows of its local pairs: GEMM1's A in sorted
+     * order, moe_align's pair_rows), not row t; scales stay by row t */
+    const int32_t *dest_rows;
 } mx_fp8_row_filter;
 
 /* Arguments of an FP8 grouped GEMM launch (grouped_gemm_fp8.cuh). Rows are
  * sorted positions s as in mx_gemm_args; with sorted_ids == NULL (LINEAR)
  * row s is row s of a and of out, for s < rows. */
 typedef struct mx_fp8_gemm_args {
-    const uint8_t *a;           /* fp8 [*, lda]: GEMM1 rows by token (pair / top_k), GEMM2 by s, LINEAR by row;
+    const uint8_t *a;           /* fp8 [*, lda]: GEMM1 rows by token (pair / top_k; by s with the persistent
+                                   Hopper configs), GEMM2 by s, LINEAR by row;
                                    16-byte aligned, zero from column k to the next multiple of 16 */
     int64_t lda;                /* multiple of 16 */
     const float *a_scale;       /* TENSOR: [1]; BLOCK: [*, a_scale_ld], row as for a */
@@ -236,12 +241,11 @@ mx_status mx_cuda_grouped_gemm_fp8(const mx_fp8_gemm_args *g, mx_gemm_kind kind,
  * float16; LINEAR (no tile table, g->rows rows, m_tiles = ceil(rows /
  * block_m)) only with the decode configs. TMA preconditions: k and lda
  * multiples of 16, a and w 16-byte aligned; block scales with GATE_UP need
- * out_cols % 64 == 0. With the persistent configs GEMM1 kinds first gather
- * the rows of g->a by token into a_gathered (m_tiles * 128 rows of k bytes,
- * 16-byte aligned); the decode configs read them in place (a_gathered
- * unused). */
+ * out_cols % 64 == 0. GEMM1 kinds of the persistent configs read g->a by
+ * sorted row (m_tiles * 128 rows of lda bytes: experts_fp8.cu quantizes x
+ * into them), those of the decode configs by token. */
 mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *g, mx_gemm_kind kind, mx_quant quant,
-                                        int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
+                                        int tile_config, int64_t local_experts, int64_t m_tiles,
                                         cudaStream_t stream);
 
 #ifdef __cplusplus

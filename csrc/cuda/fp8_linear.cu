@@ -122,7 +122,7 @@ extern "C" mx_status mx_cuda_fp8_linear(const mx_fp8_linear_problem *p, void *wo
     const int aligned_w = K % 16 == 0 && reinterpret_cast<uintptr_t>(p->weight) % 16 == 0;
     if (aligned_w && p->act_dtype != MX_F32 && mx_cuda_sm90_gemm_available()) {
         const int sm90 = p->rows < 32 ? MX_FP8_TILE_SM90_DECODE : MX_FP8_TILE_SM90_MID;
-        return mx_cuda_grouped_gemm_fp8_sm90(&g, MX_GEMM_LINEAR, p->quant, sm90, 1, nullptr,
+        return mx_cuda_grouped_gemm_fp8_sm90(&g, MX_GEMM_LINEAR, p->quant, sm90, 1,
                                              mx_ceil_div(p->rows, mx_fp8_tile_block_m(sm90)), stream);
     }
     const int config = mx_fp8_select_tile_config(p->rows, 1, aligned_w);

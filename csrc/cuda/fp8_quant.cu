@@ -77,6 +77,22 @@ __device__ __forceinline__ bool row_valid(const mx_fp8_row_filter &f, int64_t ro
     return f.mode != MX_FP8_ROWS_SORTED || f.sorted_ids[row] >= 0;
 }
 
+/* fn(d) for each q row d that row's values go to: row itself, or with
+ * kToSorted the rows f.dest_rows gives it (one per local pair). */
+template <bool kToSorted, typename Fn>
+__device__ __forceinline__ void for_each_q_row(const mx_fp8_row_filter &f, int64_t row, Fn fn)
+{
+    if constexpr (kToSorted) {
+        for (int j = 0; j < f.top_k; ++j) {
+            const int32_t d = f.dest_rows[row * f.top_k + j];
+            if (d >= 0)
+                fn(static_cast<int64_t>(d));
+        }
+    } else {
+        fn(row);
+    }
+}
+
 /* A quad (4 consecutive elements) of T as loaded: 8 bytes (16-bit T) or 16 (float). */
 template <typename T> using quad_bits = std::conditional_t<sizeof(T) == 4, float4, uint2>;
 
@@ -191,7 +207,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 /* ---- per token group (mx_cuda_fp8_quant and the pipelines) ------------------- */
 
 /* grid: x = groups of 8 column groups (one per warp), y = rows (stride) */
-template <typename T>
+template <typename T, bool kToSorted>
 __global__ void __launch_bounds__(kQuantThreads)
     group_quant_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int group,
                        const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq, float *__restrict__ scales,
@@ -210,17 +226,19 @@ __global__ void __launch_bounds__(kQuantThreads)
         if (!row_valid(f, row))
             continue;
         const T *xr = x + row * ldx;
-        uint8_t *qr = q + row * ldq;
         float m = 0.0f;
         for (int64_t c = c0 + lane; c < c1; c += 32)
             m = mx_amax_step(m, mx_to_float(xr[c]));
         const float s = mx_fp8_group_scale(mx_warp_max(m));
         const float r = mx_fp8_div_recip(s);
-        for (int64_t c = c0 + lane; c < c1; c += 32)
-            qr[c] = mx_fp8_encode_divided(mx_to_float(xr[c]), s, r);
-        if (gi == groups - 1)
-            for (int64_t c = cols + lane; c < ldq; c += 32)
-                qr[c] = 0;
+        for_each_q_row<kToSorted>(f, row, [&](int64_t d) {
+            uint8_t *qr = q + d * ldq;
+            for (int64_t c = c0 + lane; c < c1; c += 32)
+                qr[c] = mx_fp8_encode_divided(mx_to_float(xr[c]), s, r);
+            if (gi == groups - 1)
+                for (int64_t c = cols + lane; c < ldq; c += 32)
+                    qr[c] = 0;
+        });
         if (lane == 0)
             scales[row * scale_ld + gi] = s;
     }
@@ -275,7 +293,7 @@ __host__ __device__ inline int64_t tensor_quant_chunks(int64_t ldq)
  * one row (lane i: columns 4i..4i+3 of each, one load and one store), all
  * loads before the reductions; units grid-stride over (row, chunk of
  * groups). The same bits as group_quant_kernel. */
-template <typename T>
+template <typename T, bool kToSorted>
 __global__ void __launch_bounds__(kQuantThreads)
     group_quant_vec4_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                             const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq,
@@ -293,7 +311,6 @@ __global__ void __launch_bounds__(kQuantThreads)
         if (!row_valid(f, row))
             continue;
         const T *xr = x + row * ldx;
-        uint8_t *qr = q + row * ldq;
         float v[kGroupsPerWarp][4], m[kGroupsPerWarp];
 #pragma unroll
         for (int i = 0; i < kGroupsPerWarp; ++i) {
@@ -312,14 +329,18 @@ __global__ void __launch_bounds__(kQuantThreads)
             if (g0 + i >= groups)
                 break;
             const float s = mx_fp8_group_scale(mx_warp_max(m[i]));
-            if (c < cols)
-                store4(qr + c, encode4_divided(v[i], s));
+            if (c < cols) {
+                const uint32_t packed = encode4_divided(v[i], s);
+                for_each_q_row<kToSorted>(f, row, [&](int64_t d) { store4(q + d * ldq + c, packed); });
+            }
             if (lane == 0)
                 scales[row * scale_ld + g0 + i] = s;
         }
         if (g0 + kGroupsPerWarp >= groups)
-            for (int64_t pad = cols + 4 * lane; pad < ldq; pad += 128)
-                *reinterpret_cast<uint32_t *>(qr + pad) = 0u;
+            for_each_q_row<kToSorted>(f, row, [&](int64_t d) {
+                for (int64_t pad = cols + 4 * lane; pad < ldq; pad += 128)
+                    *reinterpret_cast<uint32_t *>(q + d * ldq + pad) = 0u;
+            });
     }
 }
 
@@ -360,7 +381,7 @@ __global__ void __launch_bounds__(kQuantThreads)
     }
 }
 
-template <typename T, bool kVec4>
+template <typename T, bool kVec4, bool kToSorted>
 __global__ void __launch_bounds__(kQuantThreads)
     rows_quant_tensor_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                              const mx_fp8_row_filter f, const float *__restrict__ partials, int parts,
@@ -395,7 +416,6 @@ __global__ void __launch_bounds__(kQuantThreads)
         const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32), live = live_rows(f, rows);
         auto chunk = [&](int64_t row, int64_t q0) {
             const T *xr = x + row * ldx;
-            uint8_t *qr = q + row * ldq;
             float v[kTensorQuads][4];
 #pragma unroll
             for (int i = 0; i < kTensorQuads; ++i)
@@ -406,7 +426,8 @@ __global__ void __launch_bounds__(kQuantThreads)
                 const int64_t c = 4 * (q0 + 32 * i);
                 if (c >= ldq)
                     break;
-                store4(qr + c, c < cols ? encode4_scaled(v[i], inv) : 0u);
+                const uint32_t packed = c < cols ? encode4_scaled(v[i], inv) : 0u;
+                for_each_q_row<kToSorted>(f, row, [&](int64_t d) { store4(q + d * ldq + c, packed); });
             }
         };
         if (live * chunks <= warps) {
@@ -426,10 +447,11 @@ __global__ void __launch_bounds__(kQuantThreads)
         for (int64_t row = blockIdx.x; row < live; row += gridDim.x) {
             if (!row_valid(f, row))
                 continue;
-            for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
-                q[row * ldq + c] = c < cols
-                                     ? mx_fp8_encode(__fmul_rn(mx_to_float(x[row * ldx + c]), inv))
-                                     : static_cast<uint8_t>(0);
+            for_each_q_row<kToSorted>(f, row, [&](int64_t d) {
+                for (int64_t c = threadIdx.x; c < ldq; c += kQuantThreads)
+                    q[d * ldq + c] = c < cols ? mx_fp8_encode(__fmul_rn(mx_to_float(x[row * ldx + c]), inv))
+                                              : static_cast<uint8_t>(0);
+            });
         }
     }
 }
@@ -640,8 +662,9 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
     const int parts = mx_fp8_amax_parts(rows);
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        const bool sorted = filter->dest_rows != nullptr;
         dim3 grid(static_cast<unsigned>(grid_cap(rows, 4096)));
-        auto kernel = rows_quant_tensor_kernel<T, false>;
+        auto kernel = sorted ? rows_quant_tensor_kernel<T, false, true> : rows_quant_tensor_kernel<T, false, false>;
         if (rows_vec4<T>(x, cols, ldx, q, ldq)) {
             /* a warp per chunk of a row up to kTensorQuantUnits (or
              * kTensorQuantUnitsAtomic), else per row, up to 8K blocks */
@@ -649,7 +672,7 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_tensor(const void *x, mx_dtype dt, i
             const int64_t limit = partials ? kTensorQuantUnits : kTensorQuantUnitsAtomic;
             grid = dim3(static_cast<unsigned>(
                 grid_cap(mx_ceil_div(units <= limit ? units : rows, kQuantThreads / 32), 8192)));
-            kernel = rows_quant_tensor_kernel<T, true>;
+            kernel = sorted ? rows_quant_tensor_kernel<T, true, true> : rows_quant_tensor_kernel<T, true, false>;
         }
         return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream, static_cast<const T *>(x),
                                              rows, cols, ldx, *filter, partials, parts, amax_bits, q, ldq, scale),
@@ -666,18 +689,21 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, in
     if (col_blocks > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "group_quant_kernel: %lld columns in groups of %d exceed the grid",
                               (long long)cols, group);
+    const bool sorted = filter->dest_rows != nullptr;
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         if (group == 128 && rows_vec4<T>(x, cols, ldx, q, ldq)) {
             const int64_t units = rows * mx_ceil_div(mx_ceil_div(cols, 128), kGroupsPerWarp);
             const unsigned blocks = static_cast<unsigned>(grid_cap(mx_ceil_div(units, kQuantThreads / 32), 16384));
-            return mx_check_call(mx_launch_after(group_quant_vec4_kernel<T>, dim3(blocks), dim3(kQuantThreads), 0,
+            return mx_check_call(mx_launch_after(sorted ? group_quant_vec4_kernel<T, true> : group_quant_vec4_kernel<T, false>,
+                                                 dim3(blocks), dim3(kQuantThreads), 0,
                                                  stream, static_cast<const T *>(x), rows, cols, ldx, *filter, q, ldq,
                                                  scales, scale_ld),
                                  "group_quant_vec4_kernel");
         }
         const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
-        return mx_check_call(mx_launch_after(group_quant_kernel<T>, grid, dim3(kQuantThreads), 0, stream,
+        return mx_check_call(mx_launch_after(sorted ? group_quant_kernel<T, true> : group_quant_kernel<T, false>, grid,
+                                             dim3(kQuantThreads), 0, stream,
                                              static_cast<const T *>(x), rows, cols, ldx, group, *filter, q, ldq, scales,
                                              scale_ld),
                              "group_quant_kernel");
@@ -695,7 +721,7 @@ extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t row
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         const int64_t quads = rows * (ldq / 4);
-        if (quads <= kOneBlockQuads && rows <= kOneBlockRows && rows_vec4<T>(x, cols, ldx, q, ldq)) {
+        if (quads <= kOneBlockQuads && rows <= kOneBlockRows && !filter->dest_rows && rows_vec4<T>(x, cols, ldx, q, ldq)) {
             /* kOneBlockSlots quads a thread, whole warps, at least 256 threads */
             const int64_t threads = mx_ceil_div(mx_ceil_div(quads, kOneBlockSlots), 32) * 32;
             const unsigned block = static_cast<unsigned>(threads < kQuantThreads ? kQuantThreads : threads);

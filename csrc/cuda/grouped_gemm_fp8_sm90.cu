@@ -12,25 +12,24 @@ namespace {
 
 template <typename T>
 mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
-                             int tile_config, int64_t local_experts, void *a_gathered, int64_t m_tiles,
-                             cudaStream_t stream)
+                             int tile_config, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 E4M3;
     if (quant == MX_QUANT_FP8_BLOCK)
         return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_n128, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
-                                                                                       a_gathered, m_tiles, stream);
+                                                                                       m_tiles, stream);
     if (tile_config == MX_FP8_TILE_SM90_PAIR)
         return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_pair, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
-                                                                                        a_gathered, m_tiles, stream);
+                                                                                        m_tiles, stream);
     return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
-                                                                               a_gathered, m_tiles, stream);
+                                                                               m_tiles, stream);
 }
 
 } /* namespace */
 
 extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx_gemm_kind kind, mx_quant quant,
-                                                   int tile_config, int64_t local_experts, void *a_gathered,
-                                                   int64_t m_tiles, cudaStream_t stream)
+                                                   int tile_config, int64_t local_experts, int64_t m_tiles,
+                                                   cudaStream_t stream)
 {
     const bool decode = mx_tile_is_sm90_decode(tile_config);
     if ((kind == MX_GEMM_LINEAR && !decode) || (quant != MX_QUANT_FP8_TENSOR && quant != MX_QUANT_FP8_BLOCK) ||
@@ -43,7 +42,6 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
     if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
-        (kind != MX_GEMM_DOWN && kind != MX_GEMM_LINEAR && !decode && !mx_aligned16(a_gathered)) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
     mx_gemm_args g;
@@ -86,7 +84,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
                                                 m_tiles, stream);
     if (f->out_dtype == MX_BF16)
-        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, local_experts, a_gathered, m_tiles,
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, local_experts, m_tiles,
                                                  stream);
-    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, local_experts, a_gathered, m_tiles, stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, local_experts, m_tiles, stream);
 }

@@ -9,9 +9,9 @@
  *   A  [rows, K] by sorted row s. GEMM2: act [rows_max, ld_act] as written by
  *      GEMM1, by TMA. GEMM1: the token gather x[pair / top_k] cannot be a
  *      tensor map; 16-bit operands: the producer warpgroup copies the rows
- *      from x with cp.async into the TMA box's swizzled layout; FP8:
- *      sm90_gather_rows_kernel first copies them into a contiguous
- *      [rows_max, H] buffer, loaded by TMA (sm90_rows_from_x says which and
+ *      from x with cp.async into the TMA box's swizzled layout; FP8: the x
+ *      quantizer has written each token's row to its pairs' sorted rows
+ *      (experts_fp8.cu), loaded by TMA (sm90_rows_from_x says which and
  *      why).
  *   W  [E_local, n_rows, K]: w13 or w2, one 3-D tensor map, so the rows of
  *      one expert past n_rows read as zero.
@@ -557,13 +557,13 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
 /* ---- kernels ----------------------------------------------------------------------- */
 
 /* GEMM1 kinds with 16-bit operands copy their A rows from x by token
- * inside the kernel (cp.async by the producer warpgroup); FP8 GEMM1 first
- * gathers them into sorted order (sm90_gather_rows_kernel) and loads them by
- * TMA. Against the gather, H100 at 2026-11-25 (logs/2026-11-25-nvidia-h100-
- * ab-rows-from-x.txt, two rounds): qwen3moe bf16 forwards -8..-9% at M =
+ * inside the kernel (cp.async by the producer warpgroup); FP8 GEMM1 loads
+ * them by TMA from rows the x quantizer wrote in sorted order (then a
+ * gather kernel of the quantized rows). Against that gather, H100 at
+ * 2026-11-25 (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two rounds): qwen3moe bf16 forwards -8..-9% at M =
  * 1024..16384, gpt-oss bf16 -11% at M = 4096 and -1.5% at 16384, Mixtral
  * bf16 +0.8%; FP8 GEMM1 slowed 13-14% (Mixtral fp8_tensor, DeepSeek-V3
- * fp8_block at M = 16384: forwards +3..5%), so FP8 keeps the gather. */
+ * fp8_block at M = 16384: forwards +3..5%), so FP8 kept its sorted rows. */
 template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int kind)
 {
     return kind != MX_GEMM_DOWN && sizeof(TA) == 2;
@@ -1065,29 +1065,15 @@ mx_status launch_sm90_kind(const mx_gemm_args &g, const mx_sm90_scales &sc, mx_g
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
 }
 
-/* FP8 GEMM1 kinds gather A (rows of TA) into a_gathered first (16-bit ones
- * read x in the kernel, a_gathered unused); MX_GEMM_DOWN
- * reads g.a (act) directly. */
+/* GEMM1 kinds read A by sorted row (FP8: the quantizer's sorted rows, by
+ * TMA) or by token (16-bit: sm90_rows_from_x); MX_GEMM_DOWN reads act. */
 template <typename TA, typename T, typename Shape, int QUANT>
 mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
-                                  int64_t local_experts, void *a_gathered, int64_t m_tiles, cudaStream_t stream)
+                                  int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
         return mx_status_ok();
-    if (kind == MX_GEMM_DOWN || sm90_rows_from_x<TA>(kind))
-        return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, g->a, g->lda, local_experts, m_tiles, stream);
-    const int64_t rows = m_tiles * Shape::kBlockM;
-    const int64_t blocks = mx_ceil_div(rows, kGatherThreads / 32);
-    if (blocks > 0x7fffffff)
-        return mx_status_fail(MX_ERR_VALUE, "sm90_gather_rows_kernel: %lld rows exceed the grid", (long long)rows);
-    sm90_gather_rows_kernel<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
-        static_cast<const uint4 *>(g->a), g->lda * static_cast<int64_t>(sizeof(TA)) / 16,
-        g->k * static_cast<int64_t>(sizeof(TA)) / 16, g->sorted_ids, g->num_tiles, Shape::kBlockM, g->top_k,
-        static_cast<uint4 *>(a_gathered));
-    mx_status st = mx_check_launch("sm90_gather_rows_kernel");
-    if (st.code != MX_OK)
-        return st;
-    return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, a_gathered, g->k, local_experts, m_tiles, stream);
+    return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, g->a, g->lda, local_experts, m_tiles, stream);
 }
 
 /* Entry of the 16-bit instantiations (grouped_gemm_bf16_sm90.cu / _fp16_sm90.cu). */
@@ -1099,11 +1085,11 @@ mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_c
     memset(&none, 0, sizeof none);
     switch (tile_config) {
     case MX_TILE_SM90:
-        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, local_experts, nullptr,
-                                                                           m_tiles, stream);
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, local_experts, m_tiles,
+                                                                           stream);
     case MX_TILE_SM90_PAIR:
         return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pair, MX_QUANT_NONE>(g, none, kind, local_experts,
-                                                                                nullptr, m_tiles, stream);
+                                                                                m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: tile config %d is not an sm90 config", tile_config);
 }

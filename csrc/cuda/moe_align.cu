@@ -30,13 +30,13 @@ __global__ void __launch_bounds__(kAlignThreads)
     moe_align_kernel(const int32_t *__restrict__ topk_ids, const int32_t *__restrict__ expert_map,
                      int64_t pairs, int64_t global_experts, int64_t local_experts, int block_m,
                      int use_shared, int32_t *counts_ws, int32_t *cursor_ws, int32_t *__restrict__ sorted_ids,
-                     int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+                     int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles, int32_t *__restrict__ pair_rows)
 {
     extern __shared__ int32_t align_smem[];
     mx_griddep_wait();
     mx_griddep_launch_dependents();
     moe_align_block(topk_ids, expert_map, pairs, global_experts, local_experts, block_m, use_shared, align_smem,
-                    counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles);
+                    counts_ws, cursor_ws, sorted_ids, tile_expert, num_tiles, pair_rows);
 }
 
 __global__ void __launch_bounds__(kChunkThreads)
@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kAlignThreads)
 __global__ void __launch_bounds__(kChunkThreads)
     moe_align_scatter_kernel(const int32_t *__restrict__ topk_ids, const int32_t *__restrict__ expert_map,
                              int64_t pairs, int64_t chunk, int64_t global_experts, int64_t local_experts,
-                             const int32_t *__restrict__ block_rows, int32_t *__restrict__ sorted_ids)
+                             const int32_t *__restrict__ block_rows, int32_t *__restrict__ sorted_ids,
+                             int32_t *__restrict__ pair_rows)
 {
     extern __shared__ int32_t chunk_cursor[];
     const int E = static_cast<int>(local_experts);
@@ -108,8 +109,10 @@ __global__ void __launch_bounds__(kChunkThreads)
     const int64_t begin = blockIdx.x * chunk, end = begin + chunk < pairs ? begin + chunk : pairs;
     for (int64_t p = begin + threadIdx.x; p < end; p += kChunkThreads) {
         const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
+        const int32_t row = e >= 0 ? atomicAdd(&chunk_cursor[e], 1) : -1;
         if (e >= 0)
-            sorted_ids[atomicAdd(&chunk_cursor[e], 1)] = static_cast<int32_t>(p);
+            sorted_ids[row] = static_cast<int32_t>(p);
+        moe_align_note_row(pair_rows, p, row);
     }
 }
 
@@ -133,14 +136,15 @@ extern "C" size_t mx_moe_align_workspace_bytes(int64_t pairs, int64_t local_expe
 extern "C" mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, int64_t pairs,
                                        int64_t global_experts, int64_t local_experts, int block_m,
                                        int32_t *align_ws, int32_t *sorted_ids, int32_t *tile_expert,
-                                       int32_t *num_tiles, cudaStream_t stream)
+                                       int32_t *num_tiles, int32_t *pair_rows, cudaStream_t stream)
 {
     const size_t shared = moe_align_counter_bytes(local_experts);
     const int chunks = split_chunks(pairs, local_experts);
     if (!chunks)
         return mx_check_call(mx_launch_after(moe_align_kernel, dim3(1), dim3(kAlignThreads), shared, stream, topk_ids,
                                              expert_map, pairs, global_experts, local_experts, block_m, shared > 0,
-                                             align_ws, align_ws + local_experts, sorted_ids, tile_expert, num_tiles),
+                                             align_ws, align_ws + local_experts, sorted_ids, tile_expert, num_tiles,
+                                             pair_rows),
                              "moe_align_kernel");
     const int64_t chunk = mx_ceil_div(pairs, chunks);
     mx_status st = mx_check_call(mx_launch_after(moe_align_count_kernel, dim3(chunks), dim3(kChunkThreads), shared / 2,
@@ -154,7 +158,7 @@ extern "C" mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *e
     if (st.code == MX_OK)
         st = mx_check_call(mx_launch_after(moe_align_scatter_kernel, dim3(chunks), dim3(kChunkThreads), shared / 2,
                                            stream, topk_ids, expert_map, pairs, chunk, global_experts, local_experts,
-                                           align_ws, sorted_ids),
+                                           align_ws, sorted_ids, pair_rows),
                            "moe_align_scatter_kernel");
     return st;
 }

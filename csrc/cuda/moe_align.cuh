@@ -16,6 +16,9 @@
  *   tile_expert int32 [tiles_max]: the expert of each block_m-row tile.
  *   num_tiles   int32 [1]: tiles in use. Rows and tiles past it are untouched;
  *               the GEMM grids are sized from the worst case and read it.
+ *   pair_rows   int32 [M k] or NULL: pair p's row in sorted_ids, -1 for a
+ *               pair without a local expert (the FP8 x quantizer writes
+ *               GEMM1's A rows there: fp8.cuh mx_fp8_row_filter.dest_rows).
  *
  * One block of 1024 threads does everything in three phases separated by
  * __syncthreads (count, prefix sum over the padded counts, scatter), then
@@ -68,6 +71,13 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
         warp_totals[lane] = warp_inclusive_scan(warp_totals[lane]);
     __syncthreads();
     return v + (warp > 0 ? warp_totals[warp - 1] : 0);
+}
+
+/* Pair p's row (-1: no local expert) into pair_rows, when given. */
+__device__ __forceinline__ void moe_align_note_row(int32_t *__restrict__ pair_rows, int64_t p, int32_t row)
+{
+    if (pair_rows)
+        pair_rows[p] = row;
 }
 
 /* Expert e's segment of `tiles` tiles from first_tile: its first row goes
@@ -134,7 +144,8 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
                                                 int64_t pairs, int64_t global_experts, int64_t local_experts,
                                                 int block_m, int use_shared, int32_t *align_smem, int32_t *counts_ws,
                                                 int32_t *cursor_ws, int32_t *__restrict__ sorted_ids,
-                                                int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+                                                int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles,
+                                                int32_t *__restrict__ pair_rows)
 {
     const int tid = threadIdx.x;
     const int E = static_cast<int>(local_experts);
@@ -159,8 +170,10 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
     /* phase 3: scatter */
     for (int64_t p = tid; p < pairs; p += kAlignThreads) {
         int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
+        const int32_t row = e >= 0 ? atomicAdd(&cursor[e], 1) : -1;
         if (e >= 0)
-            sorted_ids[atomicAdd(&cursor[e], 1)] = static_cast<int32_t>(p);
+            sorted_ids[row] = static_cast<int32_t>(p);
+        moe_align_note_row(pair_rows, p, row);
     }
     __syncthreads(); /* each cursor now ends its expert's count rows */
     moe_align_fill_padding(cursor, E, block_m, sorted_ids);
@@ -175,7 +188,8 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
 __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const int32_t *__restrict__ expert_map,
                                                int64_t pairs, int64_t global_experts, int64_t local_experts,
                                                int block_m, int32_t *align_smem, int32_t *__restrict__ sorted_ids,
-                                               int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+                                               int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles,
+                                               int32_t *__restrict__ pair_rows)
 {
     const int lane = threadIdx.x & 31;
     const int E = static_cast<int>(local_experts);
@@ -206,8 +220,10 @@ __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const in
     __syncwarp(); /* the fill is ordered before the scatter's stores to the same rows */
     for (int64_t p = lane; p < pairs; p += 32) {
         const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
+        const int32_t row = e >= 0 ? atomicAdd(&cursor[e], 1) : -1;
         if (e >= 0)
-            sorted_ids[atomicAdd(&cursor[e], 1)] = static_cast<int32_t>(p);
+            sorted_ids[row] = static_cast<int32_t>(p);
+        moe_align_note_row(pair_rows, p, row);
     }
 }
 

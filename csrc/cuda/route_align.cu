@@ -31,7 +31,8 @@ constexpr int kSplitRouting = -1; /* route_align_body's EPL for route_token_spli
 template <int EPL>
 __device__ __forceinline__ void route_align_body(const mx_routing_problem &r, const int32_t *__restrict__ expert_map,
                                                  int64_t local_experts, int block_m, int32_t *__restrict__ sorted_ids,
-                                                 int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+                                                 int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles,
+                                                 int32_t *__restrict__ pair_rows)
 {
     extern __shared__ float route_align_smem[];
     mx_griddep_wait();
@@ -49,30 +50,32 @@ __device__ __forceinline__ void route_align_body(const mx_routing_problem &r, co
     __syncthreads(); /* the ids in shared memory are complete */
     if (warp == 0)
         moe_align_warp(ids, expert_map, r.num_tokens * r.top_k, r.num_experts, local_experts, block_m, counters,
-                       sorted_ids, tile_expert, num_tiles);
+                       sorted_ids, tile_expert, num_tiles, pair_rows);
 }
 
 template <int EPL>
 __global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
     route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
                        int block_m, int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
-                       int32_t *__restrict__ num_tiles)
+                       int32_t *__restrict__ num_tiles, int32_t *__restrict__ pair_rows)
 {
-    route_align_body<EPL>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles);
+    route_align_body<EPL>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles, pair_rows);
 }
 
 __global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
     route_align_split_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map,
                              int64_t local_experts, int block_m, int32_t *__restrict__ sorted_ids,
-                             int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
+                             int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles,
+                             int32_t *__restrict__ pair_rows)
 {
-    route_align_body<kSplitRouting>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles);
+    route_align_body<kSplitRouting>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles,
+                                    pair_rows);
 }
 
 /* Launches one fused kernel (its shared-memory opt-in kept per kernel). */
 template <auto Kernel>
 mx_status launch_fused(const mx_experts_problem *p, int block_m, unsigned threads, size_t smem, int32_t *sorted_ids,
-                       int32_t *tile_expert, int32_t *num_tiles, cudaStream_t stream)
+                       int32_t *tile_expert, int32_t *num_tiles, int32_t *pair_rows, cudaStream_t stream)
 {
     static std::atomic<unsigned long long> configured{0};
     if (smem > 48 * 1024) {
@@ -81,7 +84,7 @@ mx_status launch_fused(const mx_experts_problem *p, int block_m, unsigned thread
             return st;
     }
     return mx_check_call(mx_launch_after(Kernel, dim3(1), dim3(threads), smem, stream, *p->routing, p->expert_map,
-                                         p->num_local_experts, block_m, sorted_ids, tile_expert, num_tiles),
+                                         p->num_local_experts, block_m, sorted_ids, tile_expert, num_tiles, pair_rows),
                          "route_align_kernel");
 }
 
@@ -89,7 +92,7 @@ mx_status launch_fused(const mx_experts_problem *p, int block_m, unsigned thread
 
 extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int block_m, int32_t *align_ws,
                                              int32_t *sorted_ids, int32_t *tile_expert, int32_t *num_tiles,
-                                             cudaStream_t stream)
+                                             int32_t *pair_rows, cudaStream_t stream)
 {
     const int64_t pairs = p->num_tokens * p->top_k;
     const mx_routing_problem *r = p->routing;
@@ -109,11 +112,12 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
             if (r->num_experts > 128 && route_split_usable(r) && warps_per_token * r->num_tokens <= kFusedMaxTokens)
                 return launch_fused<route_align_split_kernel>(p, block_m,
                                                               static_cast<unsigned>(32 * warps_per_token * r->num_tokens),
-                                                              smem, sorted_ids, tile_expert, num_tiles, stream);
+                                                              smem, sorted_ids, tile_expert, num_tiles, pair_rows,
+                                                              stream);
             return route_pick_experts_per_lane(r->num_experts, [&](auto epl) {
                 return launch_fused<route_align_kernel<decltype(epl)::value>>(
                     p, block_m, static_cast<unsigned>(32 * r->num_tokens), smem, sorted_ids, tile_expert, num_tiles,
-                    stream);
+                    pair_rows, stream);
             });
         }
         st = mx_cuda_route(r, stream);
@@ -121,5 +125,5 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
             return st;
     }
     return mx_cuda_moe_align(p->topk_ids, p->expert_map, pairs, p->global_num_experts, p->num_local_experts, block_m,
-                             align_ws, sorted_ids, tile_expert, num_tiles, stream);
+                             align_ws, sorted_ids, tile_expert, num_tiles, pair_rows, stream);
 }

@@ -1,9 +1,8 @@
 /* Pieces shared by the Hopper (sm_90a) kernels, grouped_gemm_sm90_impl.cuh
  * (the persistent warp-specialized GEMM) and grouped_gemm_sm90_decode.cuh
  * (few rows per expert): PTX wrappers for mbarriers, TMA, wgmma and its
- * shared-memory descriptors; the FP8 scale operands; the row gather that
- * feeds GEMM1's A to the TMA; and on the host the cached tensor-map
- * encoding. */
+ * shared-memory descriptors; the FP8 scale operands; and on the host the
+ * cached tensor-map encoding. */
 #ifndef MOE_EXT_CUDA_SM90_COMMON_CUH
 #define MOE_EXT_CUDA_SM90_COMMON_CUH
 
@@ -313,30 +312,6 @@ template <typename T> __device__ __forceinline__ float sm90_amax2(float m, uint3
 __device__ __forceinline__ uint32_t sw128_offset(int row, uint32_t byte)
 {
     return static_cast<uint32_t>(row) * 128u + ((((byte >> 4) ^ static_cast<uint32_t>(row)) & 7u) << 4) + (byte & 15u);
-}
-
-/* GEMM1's A operand: out[s] = x[sorted_ids[s] / top_k] for the rows of the
- * tiles in use; padding rows are left as they are (their products are
- * never stored). One warp per row, 16-byte chunks. */
-constexpr int kGatherThreads = 256;
-
-__global__ void __launch_bounds__(kGatherThreads)
-    sm90_gather_rows_kernel(const uint4 *__restrict__ x, /* [M, x_stride] 16-byte chunks */
-                            int64_t x_stride, int64_t chunks, const int32_t *__restrict__ sorted_ids,
-                            const int32_t *__restrict__ num_tiles, int block_m, int top_k,
-                            uint4 *__restrict__ out) /* [rows_max, chunks] */
-{
-    const int64_t s = static_cast<int64_t>(blockIdx.x) * (kGatherThreads / 32) + threadIdx.x / 32;
-    if (s >= static_cast<int64_t>(*num_tiles) * block_m)
-        return;
-    const int32_t pair = sorted_ids[s];
-    if (pair < 0)
-        return;
-    const uint4 *src = x + static_cast<int64_t>(pair / top_k) * x_stride;
-    uint4 *dst = out + s * chunks;
-#pragma unroll 4
-    for (int64_t c = threadIdx.x % 32; c < chunks; c += 32)
-        dst[c] = src[c];
 }
 
 /* ---- host: tensor maps ----------------------------------------------------------- */
