@@ -347,7 +347,12 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
  * 2026-11-22): the decode kernel takes them (mx_select_sm90_decode_config);
  * at 64 rows the persistent kernel still wins (decode up to 96 rows, H100,
  * 2026-11-25: qwen3moe M = 1024 559 against 531 us, Mixtral M = 256 1052
- * against 1003).
+ * against 1003). Both ways again at 33ffdaa (bench_moe, three rounds, H100,
+ * 2026-11-26, logs/2026-11-26-nvidia-h100-bench-ab-persistent-threshold.txt,
+ * 16-bit and FP8 together): the decode kernel at 64 rows +5..+75% (qwen3moe
+ * bf16 M = 1024 +5.1%, Mixtral fp8_block M = 256 +75%), the persistent
+ * kernel at 32 rows +1.3..+11.6% (Mixtral fp8_block M = 128, qwen3moe
+ * fp8_tensor M = 512).
  * From kSm90PairMinRowsPerExpert rows (8 m tiles per expert,
  * so m tile pairs rarely straddle two experts) the cluster config wins in
  * every run: Mixtral M=16384 18.2-18.6 against 18.9-19.1 ms, M=4096 4.4-4.7

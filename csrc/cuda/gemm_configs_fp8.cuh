@@ -137,6 +137,8 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * tiles (threshold 96 instead of 64, H100, 2026-11-25): qwen3moe M = 1024
  * fp8_tensor 371 against 376 us, fp8_block 369 against 469; Mixtral M = 256
  * 573 against 606, 582 against 865; the pair threshold is untested on FP8.
+ * Re-measured with the 16-bit rule at 33ffdaa (gemm_configs.cuh
+ * kSm90MinRowsPerExpert): 64 stays.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
 constexpr int64_t kFp8Sm90PairMinRowsPerExpert = 1024;
