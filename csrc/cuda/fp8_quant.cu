@@ -695,17 +695,16 @@ extern "C" mx_status mx_cuda_fp8_rows_quant_group(const void *x, mx_dtype dt, in
         if (group == 128 && rows_vec4<T>(x, cols, ldx, q, ldq)) {
             const int64_t units = rows * mx_ceil_div(mx_ceil_div(cols, 128), kGroupsPerWarp);
             const unsigned blocks = static_cast<unsigned>(grid_cap(mx_ceil_div(units, kQuantThreads / 32), 16384));
-            return mx_check_call(mx_launch_after(sorted ? group_quant_vec4_kernel<T, true> : group_quant_vec4_kernel<T, false>,
-                                                 dim3(blocks), dim3(kQuantThreads), 0,
-                                                 stream, static_cast<const T *>(x), rows, cols, ldx, *filter, q, ldq,
-                                                 scales, scale_ld),
+            const auto kernel = sorted ? group_quant_vec4_kernel<T, true> : group_quant_vec4_kernel<T, false>;
+            return mx_check_call(mx_launch_after(kernel, dim3(blocks), dim3(kQuantThreads), 0, stream,
+                                                 static_cast<const T *>(x), rows, cols, ldx, *filter, q, ldq, scales,
+                                                 scale_ld),
                                  "group_quant_vec4_kernel");
         }
         const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(grid_cap(rows, 65535)));
-        return mx_check_call(mx_launch_after(sorted ? group_quant_kernel<T, true> : group_quant_kernel<T, false>, grid,
-                                             dim3(kQuantThreads), 0, stream,
-                                             static_cast<const T *>(x), rows, cols, ldx, group, *filter, q, ldq, scales,
-                                             scale_ld),
+        const auto kernel = sorted ? group_quant_kernel<T, true> : group_quant_kernel<T, false>;
+        return mx_check_call(mx_launch_after(kernel, grid, dim3(kQuantThreads), 0, stream, static_cast<const T *>(x),
+                                             rows, cols, ldx, group, *filter, q, ldq, scales, scale_ld),
                              "group_quant_kernel");
     });
 }
@@ -721,7 +720,8 @@ extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t row
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         const int64_t quads = rows * (ldq / 4);
-        if (quads <= kOneBlockQuads && rows <= kOneBlockRows && !filter->dest_rows && rows_vec4<T>(x, cols, ldx, q, ldq)) {
+        if (quads <= kOneBlockQuads && rows <= kOneBlockRows && !filter->dest_rows &&
+            rows_vec4<T>(x, cols, ldx, q, ldq)) {
             /* kOneBlockSlots quads a thread, whole warps, at least 256 threads */
             const int64_t threads = mx_ceil_div(mx_ceil_div(quads, kOneBlockSlots), 32) * 32;
             const unsigned block = static_cast<unsigned>(threads < kQuantThreads ? kQuantThreads : threads);

@@ -560,10 +560,11 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
  * inside the kernel (cp.async by the producer warpgroup); FP8 GEMM1 loads
  * them by TMA from rows the x quantizer wrote in sorted order (then a
  * gather kernel of the quantized rows). Against that gather, H100 at
- * 2026-11-25 (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two rounds): qwen3moe bf16 forwards -8..-9% at M =
- * 1024..16384, gpt-oss bf16 -11% at M = 4096 and -1.5% at 16384, Mixtral
- * bf16 +0.8%; FP8 GEMM1 slowed 13-14% (Mixtral fp8_tensor, DeepSeek-V3
- * fp8_block at M = 16384: forwards +3..5%), so FP8 kept its sorted rows. */
+ * 2026-11-25 (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two
+ * rounds): qwen3moe bf16 forwards -8..-9% at M = 1024..16384, gpt-oss bf16
+ * -11% at M = 4096 and -1.5% at 16384, Mixtral bf16 +0.8%; FP8 GEMM1
+ * slowed 13-14% (Mixtral fp8_tensor, DeepSeek-V3 fp8_block at M = 16384:
+ * forwards +3..5%), so FP8 kept its sorted rows. */
 template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int kind)
 {
     return kind != MX_GEMM_DOWN && sizeof(TA) == 2;

@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kAlignThreads)
     moe_align_kernel(const int32_t *__restrict__ topk_ids, const int32_t *__restrict__ expert_map,
                      int64_t pairs, int64_t global_experts, int64_t local_experts, int block_m,
                      int use_shared, int32_t *counts_ws, int32_t *cursor_ws, int32_t *__restrict__ sorted_ids,
-                     int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles, int32_t *__restrict__ pair_rows)
+                     int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles,
+                     int32_t *__restrict__ pair_rows)
 {
     extern __shared__ int32_t align_smem[];
     mx_griddep_wait();
