@@ -115,10 +115,10 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
 
 
 # 32 tokens: routing and the sort in one launch (route_align); 100: the one-block sort; 300: the
-# split sort (2400 pairs)
-@pytest.mark.parametrize("m", [32, 100, 300])
+# split sort (2400 pairs); x one element past a 16-byte boundary: the quantizers' scalar forms
+@pytest.mark.parametrize("m, x_offset", [(32, 0), (100, 0), (300, 0), (100, 1)])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_persistent_expert_parallel(method, m, gen):
+def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
     """Expert parallel on the persistent kernel: the x quantizer writes each token's row to the
     sorted rows of its local pairs (moe_align's pair_rows), so the pairs of other ranks' experts
     must get none. 4 of 64 experts local, top-8: the rule counts all M k pairs per local expert
@@ -128,7 +128,16 @@ def test_fp8_persistent_expert_parallel(method, m, gen):
     ckpt, _ = checkpoint(gen, "qwen", e=e, h=h, i=i, dtype=torch.bfloat16)
     vllm_load(model, ckpt, "qwen", num_experts=e)
     assert layer.local_num_experts == 4
-    names = checked_forward(gen, layer, m, e, f"fp8 {method} persistent ep M={m}")
+    if x_offset:
+        x = randn(gen, m * h + x_offset, dtype=torch.bfloat16, device="cuda")[x_offset:].view(m, h)
+        assert x.data_ptr() % 8 != 0
+        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        out = layer(x, logits)
+        assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+        compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} persistent ep M={m} x offset")
+        names = kernels_of(lambda: layer(x, logits)) if on_hopper() else None
+    else:
+        names = checked_forward(gen, layer, m, e, f"fp8 {method} persistent ep M={m}")
     if on_hopper():
         assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
