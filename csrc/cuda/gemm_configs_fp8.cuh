@@ -136,7 +136,10 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * rows per expert the persistent kernel beat the decode kernel's 64-token
  * tiles (threshold 96 instead of 64, H100, 2026-11-25): qwen3moe M = 1024
  * fp8_tensor 371 against 376 us, fp8_block 369 against 469; Mixtral M = 256
- * 573 against 606, 582 against 865; the pair threshold is untested on FP8.
+ * 573 against 606, 582 against 865. The pair threshold, once on FP8
+ * (H100, 2026-11-26, logs/2026-11-26-nvidia-h100-bench-ab-fp8-pair-threshold.txt):
+ * 512 lost (DeepSeek-V3 / gpt-oss M = 16384 +2.8 / +4.7%), 2048 won
+ * (Mixtral M = 4096 -3.6%, qwen3moe M = 16384 -1.9%); not yet taken.
  * Re-measured with the 16-bit rule at 33ffdaa (gemm_configs.cuh
  * kSm90MinRowsPerExpert): 64 stays.
  * Returns an SM90 config or -1. */
