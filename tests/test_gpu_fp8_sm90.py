@@ -40,10 +40,13 @@ def compare_tensor(layer, out, x, logits, cfg, what):
     assert min(errs) <= FP8_TOL, f"{what}: rel_err {errs} > {FP8_TOL}"
 
 
-def checked_forward(gen, layer, m, e, what):
+def checked_forward(gen, layer, m, e, what, x_offset=0):
     """A forward of m random tokens of `layer` (qwen style, CONFIGS[0]), checked for determinism
-    and against the reference; returns the kernel names it ran (None off Hopper)."""
-    x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+    and against the reference; returns the kernel names it ran (None off Hopper). x_offset: x
+    starts that many elements into its allocation (rows off 16-byte boundaries)."""
+    h = layer.hidden_size
+    x = randn(gen, m * h + x_offset, dtype=torch.bfloat16, device="cuda")[x_offset:].view(m, h)
+    assert (x.data_ptr() % 16 == 0) == (x_offset % 8 == 0)
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     out = layer(x, logits)
     assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
@@ -128,16 +131,8 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
     ckpt, _ = checkpoint(gen, "qwen", e=e, h=h, i=i, dtype=torch.bfloat16)
     vllm_load(model, ckpt, "qwen", num_experts=e)
     assert layer.local_num_experts == 4
-    if x_offset:
-        x = randn(gen, m * h + x_offset, dtype=torch.bfloat16, device="cuda")[x_offset:].view(m, h)
-        assert x.data_ptr() % 8 != 0
-        logits = randn(gen, m, e, device="cuda", scale=2.0)
-        out = layer(x, logits)
-        assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-        compare_tensor(layer, out, x, logits, CONFIGS[0], f"fp8 {method} persistent ep M={m} x offset")
-        names = kernels_of(lambda: layer(x, logits)) if on_hopper() else None
-    else:
-        names = checked_forward(gen, layer, m, e, f"fp8 {method} persistent ep M={m}")
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} persistent ep M={m} x offset {x_offset}",
+                            x_offset)
     if on_hopper():
         assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
