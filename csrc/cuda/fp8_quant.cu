@@ -749,6 +749,7 @@ extern "C" mx_status mx_cuda_fp8_quant_a(const void *x, mx_dtype dt, int64_t row
     return by_dtype(dt, [&](auto tag) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         const int64_t quads = rows * (ldq / 4);
+        /* the one-block form writes q by row only (no dest_rows) */
         if (quads <= kOneBlockQuads && rows <= kOneBlockRows && !filter->dest_rows &&
             rows_vec4<T>(x, cols, ldx, q, ldq)) {
             /* kOneBlockSlots quads a thread, whole warps, at least 256 threads */

@@ -978,11 +978,12 @@ int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads,
     return n;
 }
 
-/* One GEMM over A [rows, K] (stride lda elements of TA) and g.w; the
- * caller checked the TMA preconditions. */
+/* One GEMM over g.a [rows, K] (stride g.lda elements of TA: by sorted
+ * row, or for sm90_rows_from_x kinds x by token) and g.w; the caller
+ * checked the TMA preconditions. */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
-mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const void *a, int64_t lda, int64_t local_experts,
-                      int64_t m_tiles, cudaStream_t stream)
+mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts, int64_t m_tiles,
+                      cudaStream_t stream)
 {
     auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT>;
     constexpr int BN = Shape::kBlockN;
@@ -1009,7 +1010,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
         return st;
     if (sm90_rows_from_x<TA>(KIND))
         map_a = map_w; /* not read: the kernel copies its A rows from x by token */
-    else if (!sm90_rows_map<TA>(a, lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st))
+    else if (!sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st))
         return st;
     if (!sm90_staged_out<KIND>())
         map_out = map_a; /* not read */
@@ -1048,33 +1049,26 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, const voi
     return mx_check_launch(name);
 }
 
-template <typename TA, typename T, typename Shape, int QUANT>
-mx_status launch_sm90_kind(const mx_gemm_args &g, const mx_sm90_scales &sc, mx_gemm_kind kind, const void *a,
-                           int64_t lda, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
-{
-    switch (kind) {
-    case MX_GEMM_GATE_UP:
-        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(g, sc, a, lda, local_experts, m_tiles, stream);
-    case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(g, sc, a, lda, local_experts, m_tiles,
-                                                                             stream);
-    case MX_GEMM_UP:
-        return launch_sm90<TA, T, Shape, MX_GEMM_UP, QUANT>(g, sc, a, lda, local_experts, m_tiles, stream);
-    case MX_GEMM_DOWN:
-        return launch_sm90<TA, T, Shape, MX_GEMM_DOWN, QUANT>(g, sc, a, lda, local_experts, m_tiles, stream);
-    }
-    return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
-}
-
-/* GEMM1 kinds read A by sorted row (FP8: the quantizer's sorted rows, by
- * TMA) or by token (16-bit: sm90_rows_from_x); MX_GEMM_DOWN reads act. */
+/* The GEMM of `kind` on Shape's tiles. GEMM1 kinds read A by sorted row
+ * (FP8: the quantizer's sorted rows, by TMA) or by token (16-bit:
+ * sm90_rows_from_x); MX_GEMM_DOWN reads act. */
 template <typename TA, typename T, typename Shape, int QUANT>
 mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
                                   int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
         return mx_status_ok();
-    return launch_sm90_kind<TA, T, Shape, QUANT>(*g, sc, kind, g->a, g->lda, local_experts, m_tiles, stream);
+    switch (kind) {
+    case MX_GEMM_GATE_UP:
+        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    case MX_GEMM_GATE_UP_INTERLEAVED:
+        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    case MX_GEMM_UP:
+        return launch_sm90<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    case MX_GEMM_DOWN:
+        return launch_sm90<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+    }
+    return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
 }
 
 /* Entry of the 16-bit instantiations (grouped_gemm_bf16_sm90.cu / _fp16_sm90.cu). */

@@ -108,13 +108,9 @@ __global__ void __launch_bounds__(kChunkThreads)
         chunk_cursor[e] = block_rows[blockIdx.x * local_experts + e];
     __syncthreads();
     const int64_t begin = blockIdx.x * chunk, end = begin + chunk < pairs ? begin + chunk : pairs;
-    for (int64_t p = begin + threadIdx.x; p < end; p += kChunkThreads) {
-        const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
-        const int32_t row = e >= 0 ? atomicAdd(&chunk_cursor[e], 1) : -1;
-        if (e >= 0)
-            sorted_ids[row] = static_cast<int32_t>(p);
-        moe_align_note_row(pair_rows, p, row);
-    }
+    for (int64_t p = begin + threadIdx.x; p < end; p += kChunkThreads)
+        moe_align_place(mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts), chunk_cursor, p,
+                        sorted_ids, pair_rows);
 }
 
 /* Chunks of the split path for `pairs` pairs, or 0 for the one-block sort. */

@@ -73,9 +73,15 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int *warp_totals)
     return v + (warp > 0 ? warp_totals[warp - 1] : 0);
 }
 
-/* Pair p's row (-1: no local expert) into pair_rows, when given. */
-__device__ __forceinline__ void moe_align_note_row(int32_t *__restrict__ pair_rows, int64_t p, int32_t row)
+/* The scatter of pair p, of local expert e (-1: none): the next row of
+ * e's segment (cursor[e], a shared or global counter) gets p, and
+ * pair_rows[p], when given, that row (or -1). */
+__device__ __forceinline__ void moe_align_place(int e, int32_t *cursor, int64_t p, int32_t *__restrict__ sorted_ids,
+                                                int32_t *__restrict__ pair_rows)
 {
+    const int32_t row = e >= 0 ? atomicAdd(&cursor[e], 1) : -1;
+    if (e >= 0)
+        sorted_ids[row] = static_cast<int32_t>(p);
     if (pair_rows)
         pair_rows[p] = row;
 }
@@ -168,13 +174,9 @@ __device__ __forceinline__ void moe_align_block(const int32_t *topk_ids, const i
     moe_align_segments(counts, E, block_m, cursor, tile_expert, num_tiles);
 
     /* phase 3: scatter */
-    for (int64_t p = tid; p < pairs; p += kAlignThreads) {
-        int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
-        const int32_t row = e >= 0 ? atomicAdd(&cursor[e], 1) : -1;
-        if (e >= 0)
-            sorted_ids[row] = static_cast<int32_t>(p);
-        moe_align_note_row(pair_rows, p, row);
-    }
+    for (int64_t p = tid; p < pairs; p += kAlignThreads)
+        moe_align_place(mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts), cursor, p,
+                        sorted_ids, pair_rows);
     __syncthreads(); /* each cursor now ends its expert's count rows */
     moe_align_fill_padding(cursor, E, block_m, sorted_ids);
 }
@@ -218,13 +220,9 @@ __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const in
     for (int r = lane; r < carry * block_m; r += 32)
         sorted_ids[r] = -1;
     __syncwarp(); /* the fill is ordered before the scatter's stores to the same rows */
-    for (int64_t p = lane; p < pairs; p += 32) {
-        const int e = mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts);
-        const int32_t row = e >= 0 ? atomicAdd(&cursor[e], 1) : -1;
-        if (e >= 0)
-            sorted_ids[row] = static_cast<int32_t>(p);
-        moe_align_note_row(pair_rows, p, row);
-    }
+    for (int64_t p = lane; p < pairs; p += 32)
+        moe_align_place(mx_local_expert(topk_ids, expert_map, p, global_experts, local_experts), cursor, p,
+                        sorted_ids, pair_rows);
 }
 
 } /* namespace */
