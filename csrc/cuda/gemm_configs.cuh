@@ -357,7 +357,10 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
  * so m tile pairs rarely straddle two experts) the cluster config wins in
  * every run: Mixtral M=16384 18.2-18.6 against 18.9-19.1 ms, M=4096 4.4-4.7
  * against 4.8-5.1 ms, qwen3moe M=16384 equal; at 128-256 rows it loses 4-9%;
- * gptoss at 512 rows moved either way between runs.
+ * gptoss at 512 rows moved either way between runs. Again on an H100
+ * (2026-11-26, logs/2026-11-26-nvidia-h100-bench-ab-bf16-pair-threshold.txt):
+ * never pairing +3.0% at Mixtral M = 16384, from 2048 rows within noise.
+ * FP8 takes no pairs (gemm_configs_fp8.cuh).
  * Returns an SM90 config, or -1 for the mma.sync rule. */
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90PairMinRowsPerExpert = 1024;

@@ -78,10 +78,9 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_MID = 1,
     MX_FP8_TILE_LARGE = 2,
     /* Hopper wgmma (grouped_gemm_fp8_sm90.cu, tiles of gemm_configs.cuh):
-     * per-tensor scales on mx_tile_sm90 / mx_tile_sm90_pair, block scales on
-     * mx_tile_sm90_n128 (both SM90 configs); 128-row m tiles */
+     * per-tensor scales on mx_tile_sm90, block scales on mx_tile_sm90_n128;
+     * 128-row m tiles */
     MX_FP8_TILE_SM90 = 3,
-    MX_FP8_TILE_SM90_PAIR = 4,
     /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh), the 16-bit
      * configs of the same number: 16- / 32- / 48- / 64-token tiles */
     MX_FP8_TILE_SM90_DECODE = MX_TILE_SM90_DECODE,
@@ -92,7 +91,7 @@ enum mx_fp8_tile_config {
 
 static inline int mx_fp8_tile_is_sm90(int config)
 {
-    return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PAIR || mx_tile_is_sm90_decode(config);
+    return config == MX_FP8_TILE_SM90 || mx_tile_is_sm90_decode(config);
 }
 
 static inline int mx_fp8_tile_block_m(int config)
@@ -131,20 +130,20 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * scales each 64-row weight box of the gated GEMM1 must lie in one 128-row
  * scale block (I a multiple of 64). Below kFp8Sm90MinRowsPerExpert rows per
  * expert the decode kernel (operands swapped, 16-, 32-, 48- or 64-token tiles,
- * mx_select_sm90_decode_config); from kFp8Sm90PairMinRowsPerExpert the
- * per-tensor path takes CTA pairs (the 16-bit rule's thresholds). At 64
- * rows per expert the persistent kernel beat the decode kernel's 64-token
- * tiles (threshold 96 instead of 64, H100, 2026-11-25): qwen3moe M = 1024
- * fp8_tensor 371 against 376 us, fp8_block 369 against 469; Mixtral M = 256
- * 573 against 606, 582 against 865. The pair threshold, once on FP8
- * (H100, 2026-11-26, logs/2026-11-26-nvidia-h100-bench-ab-fp8-pair-threshold.txt):
- * 512 lost (DeepSeek-V3 / gpt-oss M = 16384 +2.8 / +4.7%), 2048 won
- * (Mixtral M = 4096 -3.6%, qwen3moe M = 16384 -1.9%); not yet taken.
- * Re-measured with the 16-bit rule at 33ffdaa (gemm_configs.cuh
- * kSm90MinRowsPerExpert): 64 stays.
+ * mx_select_sm90_decode_config), from there the persistent kernel on
+ * single CTAs. At 64 rows per expert the persistent kernel beat the decode
+ * kernel's 64-token tiles (threshold 96 instead of 64, H100, 2026-11-25):
+ * qwen3moe M = 1024 fp8_tensor 371 against 376 us, fp8_block 369 against
+ * 469; Mixtral M = 256 573 against 606, 582 against 865. Re-measured with
+ * the 16-bit rule at 33ffdaa (gemm_configs.cuh kSm90MinRowsPerExpert): 64
+ * stays. FP8 takes no CTA pairs (the 16-bit path does from 1024 rows per
+ * expert): pairs from 1024 / 2048 rows per expert against none, H100,
+ * 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-fp8-pair-threshold.txt,
+ * logs/2026-11-26-nvidia-h100-bench-ab-fp8-no-pairs.txt): Mixtral M = 4096
+ * +4.0 / -0.4%, M = 16384 +4.8 / +4.8%, qwen3moe M = 16384 +1.9 / -0.2%,
+ * DeepSeek-V3 within 0.5%; from 512 rows slower still.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
-constexpr int64_t kFp8Sm90PairMinRowsPerExpert = 1024;
 
 static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,
                                             int block_scales, int gated)
@@ -154,7 +153,7 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
         return -1;
     if (rows < kFp8Sm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(rows, e);
-    return !block_scales && rows >= kFp8Sm90PairMinRowsPerExpert * e ? MX_FP8_TILE_SM90_PAIR : MX_FP8_TILE_SM90;
+    return MX_FP8_TILE_SM90;
 }
 
 /* Split-K of GEMM2 (decode config only): with few experts the grid has

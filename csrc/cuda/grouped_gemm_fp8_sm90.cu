@@ -1,10 +1,10 @@
 /* FP8 (float8_e4m3) instantiations of the Hopper grouped GEMM
  * (grouped_gemm_sm90_impl.cuh describes operands, tiling and pipeline) for
  * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
- * tiles (single CTAs or pairs, as the 16-bit path), 128x128 block scales on
- * 128x128 tiles; act dtype bfloat16 or float16. The entry also routes the
- * decode configs to grouped_gemm_sm90_decode.cu, the only ones that take
- * the dense LINEAR kind (fp8_linear.cu). */
+ * tiles (single CTAs: gemm_configs_fp8.cuh says why no pairs), 128x128
+ * block scales on 128x128 tiles; act dtype bfloat16 or float16. The entry
+ * also routes the decode configs to grouped_gemm_sm90_decode.cu, the only
+ * ones that take the dense LINEAR kind (fp8_linear.cu). */
 #include "gemm_configs_fp8.cuh"
 #include "grouped_gemm_sm90_impl.cuh"
 
@@ -12,15 +12,12 @@ namespace {
 
 template <typename T>
 mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
-                             int tile_config, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+                             int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 E4M3;
     if (quant == MX_QUANT_FP8_BLOCK)
         return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_n128, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
                                                                                        m_tiles, stream);
-    if (tile_config == MX_FP8_TILE_SM90_PAIR)
-        return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_pair, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
-                                                                                        m_tiles, stream);
     return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
                                                                                m_tiles, stream);
 }
@@ -84,7 +81,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
                                                 m_tiles, stream);
     if (f->out_dtype == MX_BF16)
-        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, local_experts, m_tiles,
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, local_experts, m_tiles,
                                                  stream);
-    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, local_experts, m_tiles, stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, local_experts, m_tiles, stream);
 }
