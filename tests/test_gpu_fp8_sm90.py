@@ -41,17 +41,17 @@ def compare_tensor(layer, out, x, logits, cfg, what):
     assert min(errs) <= FP8_TOL, f"{what}: rel_err {errs} > {FP8_TOL}"
 
 
-def checked_forward(gen, layer, m, e, what, x_offset=0):
-    """A forward of m random tokens of `layer` (qwen style, CONFIGS[0]), checked for determinism
-    and against the reference; returns the kernel names it ran (None off Hopper). x_offset: x
-    starts that many elements into its allocation (rows off 16-byte boundaries)."""
+def checked_forward(gen, layer, m, e, what, x_offset=0, cfg=CONFIGS[0], dtype=torch.bfloat16):
+    """A forward of m random tokens of `layer` (qwen style, made with `cfg`), checked for
+    determinism and against the reference; returns the kernel names it ran (None off Hopper).
+    x_offset: x starts that many elements into its allocation (rows off 16-byte boundaries)."""
     h = layer.hidden_size
-    x = randn(gen, m * h + x_offset, dtype=torch.bfloat16, device="cuda")[x_offset:].view(m, h)
+    x = randn(gen, m * h + x_offset, dtype=dtype, device="cuda")[x_offset:].view(m, h)
     assert (x.data_ptr() % 16 == 0) == (x_offset % 8 == 0)
     logits = randn(gen, m, e, device="cuda", scale=2.0)
     out = layer(x, logits)
     assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    compare_tensor(layer, out, x, logits, CONFIGS[0], what)
+    compare_tensor(layer, out, x, logits, cfg, what)
     return kernels_of(lambda: layer(x, logits)) if on_hopper() else None
 
 
@@ -79,6 +79,20 @@ def test_fp8_prefill_single_ctas(method, gen):
         assert not any(PAIR_SHAPE in n for n in names), f"a {PAIR_SHAPE} kernel ran: {names}"
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]], ids=[CONFIGS[0][0], CONFIGS[2][0]])
+@pytest.mark.parametrize("i", [320, 4160])
+def test_fp8_block_persistent_y_layouts(cfg, i, gen):
+    """Block scales on the persistent kernel: GEMM2 stores y by sorted row through TMA boxes up to
+    I = 4096 (gemm_configs.cuh kSm90DownBoxesMaxK), by pair from the fragments past it, launched
+    without the boxes' shared memory (its barriers sit where the boxes would be)."""
+    e, k, h = 2, 2, 272
+    layer = loaded(gen, "qwen", "block", torch.bfloat16, e, k, h, i, cfg)
+    m = 100  # 100 rows per expert: the persistent kernel
+    names = checked_forward(gen, layer, m, e, f"fp8 block {cfg[0]} I={i} M={m}", cfg=cfg)
+    if on_hopper():
+        assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+
+
 def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
     """Block scales with I % 64 != 0: a 64-row gate/up box would straddle two scale blocks, so the
     layer runs the mma.sync tiles (and stays correct)."""
@@ -103,13 +117,8 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
     e, k, h, i = 6, 2, 400, 320  # I % 64 == 0: block-scale boxes of GATE_UP
     layer = loaded(gen, "qwen", method, dtype, e, k, h, i, cfg)
     m = max(1, int(rows_per_expert * e / k))
-    x = randn(gen, m, h, dtype=dtype, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
-    out = layer(x, logits)
-    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
-    compare_tensor(layer, out, x, logits, cfg, f"fp8 {method} {cfg[0]} {dtype} M={m}")
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} {cfg[0]} {dtype} M={m}", cfg=cfg, dtype=dtype)
     if on_hopper():
-        names = kernels_of(lambda: layer(x, logits))
         tile = expected_gemm_kernel(m * k / e)
         if tile == PERSISTENT_KERNEL:
             assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"

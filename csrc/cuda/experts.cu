@@ -203,6 +203,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     g1.out_split_stride = 0;
     g1.rows = 0;
     g1.pairs = plan.pairs;
+    g1.y_by_sorted_row = 0;
     const mx_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_GEMM_UP
                              : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                  : MX_GEMM_GATE_UP;
@@ -257,7 +258,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     if (st.code != MX_OK)
         return st;
 
-    return mx_cuda_moe_sum(y, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, p->num_tokens,
+    return mx_cuda_moe_sum(y, nullptr, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, p->num_tokens,
                            p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype, p->output,
                            stream);
 }

@@ -69,6 +69,9 @@ typedef struct mx_gemm_args {
                                      rows of a and out; 0 otherwise */
     int64_t pairs;                /* GEMM kinds: the (token, slot) pairs of the tile table, 0 if unknown
                                      (a launch-shape hint of the Hopper decode kernel) */
+    int y_by_sorted_row;          /* GEMM2 of the persistent Hopper kernel with block scales: out is y
+                                     [rows, ldo] by sorted row (gemm_configs.cuh
+                                     mx_sm90_down_by_sorted_row), else by pair */
 } mx_gemm_args;
 
 #ifdef __cplusplus
@@ -106,13 +109,14 @@ mx_status mx_cuda_grouped_gemm_fp16(const mx_gemm_args *g, mx_gemm_kind kind, in
 mx_status mx_cuda_grouped_gemm_f32(const mx_gemm_args *g, mx_gemm_kind kind, int64_t m_tiles,
                                    cudaStream_t stream);
 
-/* moe_sum.cu: out[t] = sum_j sum_s y[s][t * top_k + j] over the slots with a
- * local expert and the k_splits split-K slices s (split_stride elements
- * apart), float32 in (slot, split) order, rounded once to dtype; zero rows
- * for tokens without a local slot. */
-mx_status mx_cuda_moe_sum(const float *y, int k_splits, int64_t split_stride, const int32_t *topk_ids,
-                          const int32_t *expert_map, int64_t tokens, int top_k, int64_t hidden,
-                          int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
+/* moe_sum.cu: out[t] = sum_j sum_s y[s][row(t * top_k + j)] over the slots
+ * with a local expert and the k_splits split-K slices s (split_stride
+ * elements apart), float32 in (slot, split) order, rounded once to dtype;
+ * zero rows for tokens without a local slot. row(pair) = pair_rows[pair]
+ * (y by sorted row), or pair where pair_rows is NULL (y by pair). */
+mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits, int64_t split_stride,
+                          const int32_t *topk_ids, const int32_t *expert_map, int64_t tokens, int top_k,
+                          int64_t hidden, int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
                           cudaStream_t stream);
 
 /* experts_fp8.cu: the FP8 w8a8 pipeline, taken by mx_cuda_experts when

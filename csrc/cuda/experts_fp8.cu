@@ -30,8 +30,10 @@
  *                               BLOCK on the Hopper decode kernel's 16- and
  *                               32-token tiles: no launch, GEMM1's epilogue
  *                               quantizes act the same way
- *   6. GEMM2 (fp8)              y[pair] = (act_q @ w2[e].T * scales + b2) * w, float32
- *                               (split-K slices at decode)
+ *   6. GEMM2 (fp8)              y = (act_q @ w2[e].T * scales + b2) * w, float32, by
+ *                               pair (split-K slices at decode), or by sorted row
+ *                               (the persistent kernel with block scales and a
+ *                               short I)
  *   7. moe_sum_kernel           out[t] = sum_j y[t, j], rounded once
  * Grids are sized from the worst case and surplus CTAs exit after reading
  * num_tiles. Quantization covers exactly the rows of local experts, so the
@@ -53,7 +55,9 @@
  *   act              act [rows_max, ld_act]       ld_act = I rounded up to 8
  *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
  *   act_scale        f32 [rows_max, I/128]        BLOCK
- *   y                f32 [down_splits, M k, H]
+ *   y                f32 [down_splits, y_rows, H]     y_rows = M k (by pair), rows_max
+ *                                                 where GEMM2 writes by sorted row
+ *                                                 (gemm_configs.cuh mx_sm90_down_by_sorted_row)
  * The workspace is sized for the larger of the shape-selected tile config
  * and mid (taken when the weight pointers do not allow 16-byte loads). */
 #include <string.h>
@@ -74,6 +78,8 @@ typedef struct fp8_plan {
     int down_splits;
     int64_t down_split_len;
     bool a_sorted; /* the persistent SM90 configs: x quantized into GEMM1's sorted rows */
+    bool y_sorted; /* GEMM2 writes y by sorted row (moe_sum reads it through pair_rows) */
+    int64_t y_rows;
     size_t off_align, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids, off_pair_rows,
         off_x_scaled, off_x_q, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
     size_t total_bytes;
@@ -101,6 +107,8 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
     plan->a_sorted = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
+    plan->y_sorted = plan->a_sorted && mx_sm90_down_by_sorted_row(p->quant, I);
+    plan->y_rows = plan->y_sorted ? plan->rows_max : plan->pairs;
     size_t at = 0;
     plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(plan->pairs, local));
     plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
@@ -115,7 +123,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
     plan->off_act_q = mx_ws_take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
     plan->off_act_scale = mx_ws_take(&at, block ? sizeof(float) * plan->rows_max * plan->act_blocks : 0);
-    plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * plan->pairs * H);
+    plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * plan->y_rows * H);
     plan->total_bytes = at;
 }
 
@@ -292,7 +300,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g2.amax = nullptr;
     g2.k_splits = plan.down_splits;
     g2.k_split_len = plan.down_split_len;
-    g2.out_split_stride = plan.pairs * H;
+    g2.out_split_stride = plan.y_rows * H;
+    g2.y_by_sorted_row = plan.y_sorted;
     st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, p->num_local_experts,
                                               plan.tiles_max, stream)
               : mx_cuda_grouped_gemm_fp8(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max,
@@ -300,6 +309,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     if (st.code != MX_OK)
         return st;
 
-    return mx_cuda_moe_sum(y, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, M, p->top_k, H,
+    return mx_cuda_moe_sum(y, plan.y_sorted ? pair_rows : nullptr, plan.down_splits, plan.y_rows * H, p->topk_ids,
+                           p->expert_map, M, p->top_k, H,
                            p->global_num_experts, p->num_local_experts, p->act_dtype, p->output, stream);
 }

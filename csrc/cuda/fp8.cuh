@@ -182,6 +182,7 @@ typedef struct mx_fp8_gemm_args {
     void *out;                  /* GEMM1: act [rows_max, ldo]; GEMM2: y f32 [splits][M k, ldo]; LINEAR: [rows, ldo] */
     int64_t ldo;
     int vec_out;                /* 1: out rows and base allow 4-element vector stores */
+    int y_by_sorted_row;        /* GEMM2: y [rows_max, ldo] by sorted row (mx_gemm_args) */
     uint32_t *amax;             /* GEMM1 with TENSOR: atomicMax of |act| float bits (reset earlier in the stream) */
     uint8_t *act_q;             /* GEMM1 with BLOCK on a Hopper decode config: act quantized in the epilogue
                                    (fp8 [rows_max, act_q_ld], group scales act_q_scale [rows_max,

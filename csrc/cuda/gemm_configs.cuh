@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "moe_ext/abi.h"
+
 /* kBlockK is 64 for all: one 128-byte row of 16-bit elements per tile row,
  * eight 16-byte chunks, XOR-swizzled by (row % 8) so that ldmatrix and
  * cp.async are free of bank conflicts. */
@@ -83,10 +85,16 @@ struct mx_sm90_shape {
      * instruction writes whole lines of four rows; then GEMM2's bias row of
      * the tile (BN 16-bit values) */
     static constexpr uint32_t kWarpStageBytes = 16 * 128 + BN * 2;
+    /* GEMM2's y by sorted row on its way out (TMA stores, block scales):
+     * per math warp two boxes of 16 rows x 32 float32 columns, filled in
+     * turn */
+    static constexpr uint32_t kDownBoxBytes = 16 * 128;
+    static constexpr uint32_t kDownStageBytes = 2 * kDownBoxBytes;
 
     static_assert(BN % 128 == 0 && BN <= 256, "wgmma n up to 256; interleaved GEMM1 tiles stage whole 64-column boxes");
     static_assert(kStageBytes % 1024 == 0 && kWBytes % 2048 == 0, "slots and weight boxes start on 1024-byte atoms");
-    static_assert(kSmemBytes + kOutBytes <= 227 * 1024 && kSmemBytes + kMathWarps * kWarpStageBytes <= 227 * 1024,
+    static_assert(kSmemBytes + kOutBytes <= 227 * 1024 && kSmemBytes + kMathWarps * kWarpStageBytes <= 227 * 1024 &&
+                      kSmemBytes + kMathWarps * kDownStageBytes <= 227 * 1024,
                   "fits the sm_90 shared-memory opt-in limit, staging included");
     static_assert(kMathRegs * 128 * kMathWarpgroups + kProducerRegs * 128 <= 65536, "register file of one SM");
     static_assert(kMathRegs % 8 == 0 && kProducerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
@@ -115,6 +123,25 @@ typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
  * block from L2 per CTA) it was not faster: -4..+12% per GEMM (H100,
  * 2026-11-25), so L2 does not bound this tile. */
 typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
+
+/* Where the persistent kernel's GEMM2 with block scales puts y: by sorted
+ * row, y [rows_max, H], each math warp's 16 rows x 32 columns leaving by
+ * one TMA store from shared memory while the warp goes on (moe_sum finds a
+ * pair's row through moe_align's pair_rows), where its K (I) is at most
+ * kSm90DownBoxesMaxK; else by pair, y [M k, H], stored from the fragments.
+ * H100, 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-y-by-sorted-row.txt,
+ * three rounds): qwen3moe fp8_block (I = 768) -3.7% at M = 4096 and 16384,
+ * DeepSeek-V3 (2048) -1.1% at 16384, gpt-oss (2880) -1.7% at 16384;
+ * Mixtral (14336) +2.6 / +4.6% (its long mainloop keeps little epilogue
+ * to hide, and the 32 KB of boxes come out of the L1 the promotion reads
+ * its scales from). The 16-bit and per-tensor GEMM2s, whose warp-staged
+ * stores already write whole lines, gained nothing that way (within 0.5%,
+ * gpt-oss M = 4096 +2..+4%), so they keep y by pair. */
+constexpr int64_t kSm90DownBoxesMaxK = 4096;
+static inline bool mx_sm90_down_by_sorted_row(int quant, int64_t k)
+{
+    return quant == MX_QUANT_FP8_BLOCK && k <= kSm90DownBoxesMaxK;
+}
 
 /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per
  * CTA, 128 weight rows (wgmma m, two boxes of 64) x BT tokens (wgmma n) x

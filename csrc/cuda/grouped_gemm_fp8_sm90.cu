@@ -66,6 +66,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.out_split_stride = f->out_split_stride;
     g.rows = kind == MX_GEMM_LINEAR ? f->rows : 0;
     g.pairs = kind == MX_GEMM_LINEAR ? 0 : f->pairs;
+    g.y_by_sorted_row = f->y_by_sorted_row;
     mx_sm90_scales sc;
     sc.a_scale = f->a_scale;
     sc.a_ld = f->a_scale_ld;

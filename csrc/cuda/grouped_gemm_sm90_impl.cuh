@@ -60,16 +60,18 @@
  * CTAs running together share weight slices and A rows in L2. The producer
  * runs ahead across tile boundaries, so the loads of the next tile overlap
  * the epilogue of this one.
- * Epilogue (registers -> global, no shared memory): the rows' pair indices
- * and routing weights are loaded when the tile starts (GEMM2: one unit
- * ahead, sm90_unit). wgmma's accumulator layout gives each thread rows r,
- * r+8 and column pairs (8i + 2q, +1); GEMM1 adds w13_bias, applies the
- * activation and stores act dtype pairs (the interleaved kind first swaps
- * values with the neighbouring lane to form pairs); GEMM2 adds w2_bias,
- * multiplies by the routing weight and stores float32 quads into y[pair]
- * (neighbouring lanes swap pairs; 32-byte row segments). Padding rows (sorted id
- * -1), columns past out_cols and the phantom tile of an odd tile count are
- * not stored.
+ * Epilogue: the rows' pair indices and routing weights are loaded when
+ * the tile starts (GEMM2: one unit ahead, sm90_unit). wgmma's accumulator
+ * layout gives each thread rows r, r+8 and column pairs (8i + 2q, +1);
+ * GEMM1 adds w13_bias, applies the activation and stores act dtype pairs
+ * (the interleaved kind first swaps values with the neighbouring lane to
+ * form pairs); GEMM2 adds w2_bias, multiplies by the routing weight and
+ * stores float32 y[pair]; both through shared memory or from the
+ * fragments (sm90_warp_staged, sm90_staged_out say which), or, GEMM2 with
+ * block scales and g.y_by_sorted_row, y by sorted row through TMA boxes
+ * (sm90_store_down_boxes). Padding rows (sorted id -1), columns past
+ * out_cols and the phantom tile of an odd tile count are not stored (the
+ * boxes: only their warps of 16 padding rows).
  *
  * The launcher guarantees: tile tables from moe_align with block_m = 128;
  * K, n_rows and the row strides multiples of 8 elements and A / W bases
@@ -333,6 +335,68 @@ __device__ __forceinline__ void sm90_store_down_staged(const float (&acc)[Shape:
     __syncwarp(); /* the bias pairs are read before the next tile writes them */
 }
 
+/* GEMM2 by sorted row (block scales, gemm_configs.cuh
+ * mx_sm90_down_by_sorted_row): y[s, col] = (acc * sc + w2_bias[col]) *
+ * routing weight, float32, for the warp's 16 sorted rows from row0, 32
+ * columns at a time: each thread puts its pairs of rows lo and hi into one
+ * of the warp's two boxes (16 rows x 128 bytes, 128B-swizzled as the y map
+ * reads them: the 8-byte writes fill all 32 banks twice), then lane 0
+ * TMA-stores the box, and the warp goes on (to the next chunk, then the
+ * next tile's mainloop) while the copy engine writes. A box is refilled
+ * once the store before the last has read it (bulk groups are lane 0's).
+ * A warp of 16 padding rows stores nothing; padding rows beside real ones
+ * go out too (moe_sum never reads them); the map clips columns past
+ * out_cols and rows past rows_max. Each chunk's bias pairs are loaded with
+ * the chunk before: nothing orders them behind the stores, which are the
+ * copy engine's. */
+template <typename T, typename Shape>
+__device__ __forceinline__ void sm90_store_down_boxes(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows,
+                                                      int lane, int nt, int expert, const mx_gemm_args &g, float sc,
+                                                      uint32_t boxes, const CUtensorMap *map_y, int row0)
+{
+    constexpr int BN = Shape::kBlockN;
+    if (!__any_sync(0xffffffffu, rows.pair_lo >= 0 || rows.pair_hi >= 0))
+        return;
+    const int q = lane % 4, r = lane / 4;
+    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const int64_t tile_col = static_cast<int64_t>(nt) * BN;
+    /* the bias pairs of columns 8u + 2q of this chunk and of the next */
+    uint32_t bias_now[4], bias_next[4];
+    sm90_load_bias_pairs(bias, tile_col + 2 * q, 8, g.out_cols, bias_next);
+    /* 16-byte unit `unit` of row `row` of a box, XOR-swizzled by row % 8 */
+    auto at = [&](uint32_t box, int row, int unit) { return box + row * 128 + ((unit ^ (row % 8)) << 4); };
+#pragma unroll
+    for (int c = 0; c < BN / 32; ++c) {
+        if (tile_col + 32 * c >= g.out_cols) /* the same for the whole warp */
+            break;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            bias_now[u] = bias_next[u];
+        if (c + 1 < BN / 32)
+            sm90_load_bias_pairs(bias, tile_col + 32 * (c + 1) + 2 * q, 8, g.out_cols, bias_next);
+        const uint32_t box = boxes + (c % 2) * Shape::kDownBoxBytes;
+        if (lane == 0)
+            bulk_wait_read<1>(); /* this box's last store has read it */
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = 4 * c + u;
+            const float2 b = mx_unpack2<T>(bias_now[u]);
+            const uint32_t half = 8u * static_cast<uint32_t>(q % 2);
+            st_shared_f32x2(at(box, r, 2 * u + q / 2) + half, (acc[4 * i] * sc + b.x) * rows.w_lo,
+                            (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
+            st_shared_f32x2(at(box, r + 8, 2 * u + q / 2) + half, (acc[4 * i + 2] * sc + b.x) * rows.w_hi,
+                            (acc[4 * i + 3] * sc + b.y) * rows.w_hi);
+        }
+        fence_proxy_async_smem(); /* the copy engine reads what the warp wrote */
+        __syncwarp();
+        if (lane == 0) {
+            tma_store_2d(map_y, box, static_cast<int>(tile_col) + 32 * c, row0);
+            bulk_commit();
+        }
+    }
+}
+
 /* Interleaved (swigluoai) GEMM1 tiles leave through shared memory: each
  * math warpgroup puts its 64 x BN/2 act values into its own BN/128 boxes of
  * 64 rows x 128 bytes (128B-swizzled, as the store map reads them) and one
@@ -363,11 +427,20 @@ template <int KIND, int QUANT> constexpr bool sm90_warp_staged()
     return !sm90_staged_out<KIND>() && QUANT != MX_QUANT_FP8_BLOCK;
 }
 
+/* GEMM2 with block scales stores y by sorted row through each math warp's
+ * two TMA boxes (sm90_store_down_boxes) where g.y_by_sorted_row, else by
+ * pair from the fragments; launched without the boxes' shared memory then. */
+template <int KIND, int QUANT> constexpr bool sm90_down_boxes()
+{
+    return KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_FP8_BLOCK;
+}
+
 /* Shared memory of one kernel past the ring: its epilogue's staging. */
 template <typename Shape, int KIND, int QUANT> constexpr uint32_t sm90_out_bytes()
 {
     return sm90_staged_out<KIND>()            ? Shape::kOutBytes
            : sm90_warp_staged<KIND, QUANT>() ? Shape::kMathWarps * Shape::kWarpStageBytes
+           : sm90_down_boxes<KIND, QUANT>()  ? Shape::kMathWarps * Shape::kDownStageBytes
                                              : 0;
 }
 template <typename Shape, int KIND, int QUANT> constexpr size_t sm90_smem_bytes()
@@ -525,12 +598,16 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
 template <typename T, typename Shape, int KIND, int QUANT>
 __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
                                               int nt, int expert, const mx_gemm_args &g, float sc, uint32_t *amax_bits,
-                                              const sm90_out_stage &stage, unsigned char *warp_stage)
+                                              const sm90_out_stage &stage, unsigned char *warp_stage,
+                                              const CUtensorMap *map_out, int warp_row0)
 {
     constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
     float amax = 0.0f;
     constexpr bool kWarpStaged = sm90_warp_staged<KIND, QUANT>();
-    if (KIND == MX_GEMM_DOWN && kWarpStaged) {
+    if (sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row) {
+        sm90_store_down_boxes<T, Shape>(acc, rows, lane, nt, expert, g, sc, mx_smem_addr(warp_stage), map_out,
+                                        warp_row0);
+    } else if (KIND == MX_GEMM_DOWN && kWarpStaged) {
         sm90_store_down_staged<T, Shape>(acc, rows, lane, nt, expert, g, sc, reinterpret_cast<float *>(warp_stage));
     } else if (KIND == MX_GEMM_DOWN) {
         sm90_store_down_direct<T, Shape>(acc, rows, lane % 4, nt, expert, g, sc);
@@ -585,7 +662,9 @@ template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
                              const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
-                             const __grid_constant__ CUtensorMap tma_out, /* interleaved GEMM1: act [rows, out_cols], box 128 bytes x 64 */
+                             const __grid_constant__ CUtensorMap tma_out, /* interleaved GEMM1: act [rows, out_cols],
+                                                                            box 128 bytes x 64; GEMM2 by sorted row:
+                                                                            y [rows, out_cols], box 128 bytes x 16 */
                              const mx_gemm_args g,                      /* sizes, tile table, epilogue operands */
                              const mx_sm90_scales sc,                      /* FP8 scales */
                              int n_tiles)                               /* n tiles per m tile */
@@ -606,7 +685,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
     const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* the epilogue's staging (sm90_out_bytes) */
-    const uint32_t bars = out_boxes + sm90_out_bytes<Shape, KIND, QUANT>(); /* full[STAGES], empty[STAGES] */
+    /* full[STAGES], empty[STAGES]; a block-scale GEMM2 by pair runs without its boxes (launch_sm90) */
+    const uint32_t bars =
+        out_boxes + (sm90_down_boxes<KIND, QUANT>() && !g.y_by_sorted_row ? 0u : sm90_out_bytes<Shape, KIND, QUANT>());
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
 
@@ -903,9 +984,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         bulk_wait_read<0>();
                     named_barrier_sync(1 + wg, 128);
                 }
+                constexpr uint32_t kWarpBytes =
+                    sm90_down_boxes<KIND, QUANT>() ? Shape::kDownStageBytes : Shape::kWarpStageBytes;
                 unsigned char *warp_stage =
-                    sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * Shape::kWarpStageBytes;
-                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, g, cur.scale, sc.amax, stage, warp_stage);
+                    sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * kWarpBytes;
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, g, cur.scale, sc.amax, stage, warp_stage,
+                                                     &tma_out, mt * BM + wg * 64 + warp_in_wg * 16);
                 if constexpr (sm90_staged_out<KIND>()) {
                     fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
                     named_barrier_sync(1 + wg, 128);
@@ -924,7 +1008,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     acc[i] = 0.0f;
             }
         }
-        if (sm90_staged_out<KIND>() && threadIdx.x % 128 == 0)
+        if ((sm90_staged_out<KIND>() && threadIdx.x % 128 == 0) ||
+            (sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row && lane == 0))
             bulk_wait_all<0>(); /* the boxes live in this CTA's shared memory */
     }
     if (CM > 1)
@@ -999,6 +1084,9 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
                               (long long)n_tiles);
     if (g.k_splits != 1)
         return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
+    const bool boxes = sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row;
+    if (g.y_by_sorted_row && !boxes)
+        return mx_status_fail(MX_ERR_VALUE, "%s: y by sorted row is not compiled here", name);
 
     static std::atomic<unsigned long long> configured{0};
     constexpr size_t kSmem = sm90_smem_bytes<Shape, KIND, QUANT>();
@@ -1012,10 +1100,16 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
         map_a = map_w; /* not read: the kernel copies its A rows from x by token */
     else if (!sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st))
         return st;
-    if (!sm90_staged_out<KIND>())
+    if (boxes) {
+        if (!sm90_rows_map<float>(g.out, g.ldo, m_tiles * Shape::kBlockM, 16, g.out_cols, &map_out, &st))
+            return st;
+    } else if (!sm90_staged_out<KIND>()) {
         map_out = map_a; /* not read */
-    else if (!sm90_rows_map<T>(g.out, g.ldo, m_tiles * Shape::kBlockM, 64, g.out_cols, &map_out, &st))
+    } else if (!sm90_rows_map<T>(g.out, g.ldo, m_tiles * Shape::kBlockM, 64, g.out_cols, &map_out, &st)) {
         return st;
+    }
+    /* without the boxes their shared memory stays L1 */
+    const size_t smem = sm90_down_boxes<KIND, QUANT>() && !boxes ? Shape::kSmemBytes : kSmem;
     int device = 0;
     st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
     if (st.code != MX_OK)
@@ -1026,7 +1120,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(kSmem));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {
-        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, kSmem, stream>>>(map_a, map_w, map_out, g, sc,
+        kernel<<<static_cast<unsigned>(grid), Shape::kThreads, smem, stream>>>(map_a, map_w, map_out, g, sc,
                                                                                 static_cast<int>(n_tiles));
         return mx_check_launch(name);
     }
@@ -1034,7 +1128,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     memset(&cfg, 0, sizeof cfg);
     cfg.gridDim = dim3(static_cast<unsigned>(grid));
     cfg.blockDim = dim3(Shape::kThreads);
-    cfg.dynamicSmemBytes = kSmem;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;

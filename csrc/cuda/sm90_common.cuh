@@ -128,6 +128,10 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v)
 {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b)
+{
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
 
 /* Arrive on the barrier at the same offset in CTA `rank` of the cluster. */
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
@@ -401,6 +405,10 @@ template <> struct sm90_dtype<__nv_bfloat16> {
 template <> struct sm90_dtype<__half> {
     static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     static const char *name() { return "fp16"; }
+};
+template <> struct sm90_dtype<float> {
+    static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    static const char *name() { return "f32"; }
 };
 template <> struct sm90_dtype<__nv_fp8_e4m3> {
     static constexpr int kMap = CU_TENSOR_MAP_DATA_TYPE_UINT8; /* raw bytes: the wgmma reads them as e4m3 */
