@@ -58,7 +58,8 @@ typedef struct mx_gemm_args {
     float swiglu_alpha;
     float swiglu_limit;
     int scale_by_weight;          /* GEMM2: multiply by topk_weights[pair] */
-    void *out;                    /* GEMM1: act [rows, ldo] in act dtype; GEMM2: y [M*top_k, ldo] float32 */
+    void *out;                    /* GEMM1: act [rows, ldo] in act dtype; GEMM2: y [M*top_k, ldo] float32
+                                     (by sorted row: [rows, ldo]) */
     int64_t ldo;
     int m_tile_base;              /* first m tile of this launch (grids of more than 65535 rows);
                                      set by the launchers */

@@ -310,6 +310,6 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         return st;
 
     return mx_cuda_moe_sum(y, plan.y_sorted ? pair_rows : nullptr, plan.down_splits, plan.y_rows * H, p->topk_ids,
-                           p->expert_map, M, p->top_k, H,
-                           p->global_num_experts, p->num_local_experts, p->act_dtype, p->output, stream);
+                           p->expert_map, M, p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype,
+                           p->output, stream);
 }

@@ -179,7 +179,8 @@ typedef struct mx_fp8_gemm_args {
     float swiglu_alpha, swiglu_limit;
     int scale_by_weight;        /* GEMM2: multiply by topk_weights[pair] */
     mx_dtype out_dtype;         /* act dtype: GEMM1 / LINEAR output and bias dtype */
-    void *out;                  /* GEMM1: act [rows_max, ldo]; GEMM2: y f32 [splits][M k, ldo]; LINEAR: [rows, ldo] */
+    void *out;                  /* GEMM1: act [rows_max, ldo]; GEMM2: y f32 [splits][M k, ldo] (by sorted row:
+                                   [rows_max, ldo]); LINEAR: [rows, ldo] */
     int64_t ldo;
     int vec_out;                /* 1: out rows and base allow 4-element vector stores */
     int y_by_sorted_row;        /* GEMM2: y [rows_max, ldo] by sorted row (mx_gemm_args) */
