@@ -3,8 +3,9 @@
  * Operands: y float32 [splits, rows, H] row-major, written by GEMM2 already
  * multiplied by the routing weight (splits > 1 when GEMM2 ran split-K, each
  * slice a partial sum over K); a pair's row is its index (y [splits, M k,
- * H]), or, where GEMM2 wrote y by sorted row (the persistent Hopper kernel,
- * gemm_configs.cuh mx_sm90_down_by_sorted_row), pair_rows[pair] (moe_align).
+ * H]), or, where GEMM2 wrote y by sorted row (the persistent Hopper kernel
+ * with block scales, gemm_configs.cuh mx_sm90_down_by_sorted_row),
+ * pair_rows[pair] (moe_align).
  * out [M, H] in the activation dtype. Slots whose id has no local expert
  * were never written and are skipped (their ids are re-derived from
  * topk_ids / expert_map exactly as moe_align did). The sum runs in float32
