@@ -323,34 +323,28 @@ __global__ void __launch_bounds__(kQuantThreads)
                     m[i] = mx_amax_step(m[i], v[i][e]);
             }
         }
-        uint32_t packed[kGroupsPerWarp]; /* kToSorted: the row's stores, made row by row below */
+        uint32_t packed[kGroupsPerWarp]; /* stored below to each q row of the row, one after the other */
 #pragma unroll
         for (int i = 0; i < kGroupsPerWarp; ++i) {
             const int64_t c = (g0 + i) * 128 + 4 * lane;
             if (g0 + i >= groups)
                 break;
             const float s = mx_fp8_group_scale(mx_warp_max(m[i]));
-            if (c < cols) {
-                const uint32_t p = encode4_divided(v[i], s);
-                if constexpr (kToSorted)
-                    packed[i] = p;
-                else
-                    store4(q + row * ldq + c, p);
-            }
+            if (c < cols)
+                packed[i] = encode4_divided(v[i], s);
             if (lane == 0)
                 scales[row * scale_ld + g0 + i] = s;
         }
-        if constexpr (kToSorted)
-            for_each_q_row<true>(f, row, [&](int64_t d) {
+        for_each_q_row<kToSorted>(f, row, [&](int64_t d) {
 #pragma unroll
-                for (int i = 0; i < kGroupsPerWarp; ++i) {
-                    const int64_t c = (g0 + i) * 128 + 4 * lane;
-                    if (g0 + i >= groups)
-                        break;
-                    if (c < cols)
-                        store4(q + d * ldq + c, packed[i]);
-                }
-            });
+            for (int i = 0; i < kGroupsPerWarp; ++i) {
+                const int64_t c = (g0 + i) * 128 + 4 * lane;
+                if (g0 + i >= groups)
+                    break;
+                if (c < cols)
+                    store4(q + d * ldq + c, packed[i]);
+            }
+        });
         if (g0 + kGroupsPerWarp >= groups)
             for_each_q_row<kToSorted>(f, row, [&](int64_t d) {
                 for (int64_t pad = cols + 4 * lane; pad < ldq; pad += 128)
@@ -436,28 +430,19 @@ __global__ void __launch_bounds__(kQuantThreads)
             for (int i = 0; i < kTensorQuads; ++i)
                 if (4 * (q0 + 32 * i) < cols)
                     load4(xr + 4 * (q0 + 32 * i), v[i]);
-            uint32_t packed[kTensorQuads]; /* kToSorted: the chunk's stores, made row by row below */
+            uint32_t packed[kTensorQuads]; /* stored below to each q row of the row, one after the other */
 #pragma unroll
-            for (int i = 0; i < kTensorQuads; ++i) {
-                const int64_t c = 4 * (q0 + 32 * i);
-                if (c >= ldq)
-                    break;
-                const uint32_t p = c < cols ? encode4_scaled(v[i], inv) : 0u;
-                if constexpr (kToSorted)
-                    packed[i] = p;
-                else
-                    store4(q + row * ldq + c, p);
-            }
-            if constexpr (kToSorted)
-                for_each_q_row<true>(f, row, [&](int64_t d) {
+            for (int i = 0; i < kTensorQuads; ++i)
+                packed[i] = 4 * (q0 + 32 * i) < cols ? encode4_scaled(v[i], inv) : 0u;
+            for_each_q_row<kToSorted>(f, row, [&](int64_t d) {
 #pragma unroll
-                    for (int i = 0; i < kTensorQuads; ++i) {
-                        const int64_t c = 4 * (q0 + 32 * i);
-                        if (c >= ldq)
-                            break;
-                        store4(q + d * ldq + c, packed[i]);
-                    }
-                });
+                for (int i = 0; i < kTensorQuads; ++i) {
+                    const int64_t c = 4 * (q0 + 32 * i);
+                    if (c >= ldq)
+                        break;
+                    store4(q + d * ldq + c, packed[i]);
+                }
+            });
         };
         if (live * chunks <= warps) {
             const int64_t row = warp / chunks;

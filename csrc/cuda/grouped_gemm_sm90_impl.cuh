@@ -429,10 +429,16 @@ template <int KIND, int QUANT> constexpr bool sm90_warp_staged()
 
 /* GEMM2 with block scales stores y by sorted row through each math warp's
  * two TMA boxes (sm90_store_down_boxes) where g.y_by_sorted_row, else by
- * pair from the fragments; launched without the boxes' shared memory then. */
+ * pair from the fragments; launched without the boxes' shared memory then.
+ * sm90_down_boxes: the kernel has the boxes; sm90_y_boxes: this launch
+ * uses them. */
 template <int KIND, int QUANT> constexpr bool sm90_down_boxes()
 {
     return KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_FP8_BLOCK;
+}
+template <int KIND, int QUANT> __host__ __device__ __forceinline__ bool sm90_y_boxes(const mx_gemm_args &g)
+{
+    return sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row;
 }
 
 /* Shared memory of one kernel past the ring: its epilogue's staging. */
@@ -446,6 +452,14 @@ template <typename Shape, int KIND, int QUANT> constexpr uint32_t sm90_out_bytes
 template <typename Shape, int KIND, int QUANT> constexpr size_t sm90_smem_bytes()
 {
     return Shape::kSmemBytes + sm90_out_bytes<Shape, KIND, QUANT>();
+}
+/* The staging one launch has (and the kernel's barriers after it): a
+ * block-scale GEMM2 by pair runs without its boxes, so that their shared
+ * memory stays L1. */
+template <typename Shape, int KIND, int QUANT>
+__host__ __device__ __forceinline__ uint32_t sm90_launch_out_bytes(const mx_gemm_args &g)
+{
+    return sm90_down_boxes<KIND, QUANT>() && !g.y_by_sorted_row ? 0u : sm90_out_bytes<Shape, KIND, QUANT>();
 }
 
 /* The staging boxes of the thread's warpgroup and the thread's first row in them. */
@@ -604,7 +618,7 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
     constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
     float amax = 0.0f;
     constexpr bool kWarpStaged = sm90_warp_staged<KIND, QUANT>();
-    if (sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row) {
+    if (sm90_y_boxes<KIND, QUANT>(g)) {
         sm90_store_down_boxes<T, Shape>(acc, rows, lane, nt, expert, g, sc, mx_smem_addr(warp_stage), map_out,
                                         warp_row0);
     } else if (KIND == MX_GEMM_DOWN && kWarpStaged) {
@@ -635,10 +649,10 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
 
 /* GEMM1 kinds with 16-bit operands copy their A rows from x by token
  * inside the kernel (cp.async by the producer warpgroup); FP8 GEMM1 loads
- * them by TMA from rows the x quantizer wrote in sorted order (then a
- * gather kernel of the quantized rows). Against that gather, H100 at
- * 2026-11-25 (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two
- * rounds): qwen3moe bf16 forwards -8..-9% at M = 1024..16384, gpt-oss bf16
+ * them by TMA from rows the x quantizer wrote in sorted order. Measured
+ * when FP8 still gathered its quantized rows with a kernel of their own,
+ * the copies against that gather, H100 at 2026-11-25
+ * (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two rounds): qwen3moe bf16 forwards -8..-9% at M = 1024..16384, gpt-oss bf16
  * -11% at M = 4096 and -1.5% at 16384, Mixtral bf16 +0.8%; FP8 GEMM1
  * slowed 13-14% (Mixtral fp8_tensor, DeepSeek-V3 fp8_block at M = 16384:
  * forwards +3..5%), so FP8 kept its sorted rows. */
@@ -685,9 +699,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
     const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* the epilogue's staging (sm90_out_bytes) */
-    /* full[STAGES], empty[STAGES]; a block-scale GEMM2 by pair runs without its boxes (launch_sm90) */
-    const uint32_t bars =
-        out_boxes + (sm90_down_boxes<KIND, QUANT>() && !g.y_by_sorted_row ? 0u : sm90_out_bytes<Shape, KIND, QUANT>());
+    const uint32_t bars = out_boxes + sm90_launch_out_bytes<Shape, KIND, QUANT>(g); /* full[STAGES], empty[STAGES] */
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
 
@@ -1009,7 +1021,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
         }
         if ((sm90_staged_out<KIND>() && threadIdx.x % 128 == 0) ||
-            (sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row && lane == 0))
+            (sm90_y_boxes<KIND, QUANT>(g) && lane == 0))
             bulk_wait_all<0>(); /* the boxes live in this CTA's shared memory */
     }
     if (CM > 1)
@@ -1084,7 +1096,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
                               (long long)n_tiles);
     if (g.k_splits != 1)
         return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
-    const bool boxes = sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row;
+    const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
     if (g.y_by_sorted_row && !boxes)
         return mx_status_fail(MX_ERR_VALUE, "%s: y by sorted row is not compiled here", name);
 
@@ -1108,8 +1120,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     } else if (!sm90_rows_map<T>(g.out, g.ldo, m_tiles * Shape::kBlockM, 64, g.out_cols, &map_out, &st)) {
         return st;
     }
-    /* without the boxes their shared memory stays L1 */
-    const size_t smem = sm90_down_boxes<KIND, QUANT>() && !boxes ? Shape::kSmemBytes : kSmem;
+    const size_t smem = Shape::kSmemBytes + sm90_launch_out_bytes<Shape, KIND, QUANT>(g);
     int device = 0;
     st = mx_check_call(cudaGetDevice(&device), "cudaGetDevice");
     if (st.code != MX_OK)

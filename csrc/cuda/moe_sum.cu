@@ -7,8 +7,9 @@
  * with block scales, gemm_configs.cuh mx_sm90_down_by_sorted_row),
  * pair_rows[pair] (moe_align).
  * out [M, H] in the activation dtype. Slots whose id has no local expert
- * were never written and are skipped (their ids are re-derived from
- * topk_ids / expert_map exactly as moe_align did). The sum runs in float32
+ * were never written and are skipped (pair_rows holds -1 for them; by pair
+ * their ids are re-derived from topk_ids / expert_map exactly as moe_align
+ * did). The sum runs in float32
  * in (slot, slice) order and is rounded once, so the result is
  * deterministic and the same for either layout; a token with no local slot
  * gets a zero row.
@@ -48,8 +49,10 @@ __global__ void __launch_bounds__(kSumThreads)
     const int64_t t = blockIdx.x;
     for (int j = threadIdx.x; j < top_k; j += kSumThreads) {
         const int64_t pair = t * top_k + j;
-        const bool local = mx_local_expert(topk_ids, expert_map, pair, global_experts, local_experts) >= 0;
-        slot_row[j] = !local ? -1 : pair_rows ? pair_rows[pair] : static_cast<int32_t>(pair);
+        slot_row[j] = pair_rows ? pair_rows[pair] /* -1 without a local expert, as moe_align wrote it */
+                      : mx_local_expert(topk_ids, expert_map, pair, global_experts, local_experts) >= 0
+                          ? static_cast<int32_t>(pair)
+                          : -1;
     }
     __syncthreads();
     mx_griddep_wait();
