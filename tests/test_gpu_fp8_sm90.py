@@ -15,7 +15,7 @@ import torch
 import moe_ext
 from helpers import capture_forward, kernels_of, on_hopper, randn
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
-from test_gpu_sm90 import PERSISTENT_KERNEL, expected_gemm_kernel
+from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), 
 WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
 DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
-PAIR_SHAPE = "mx_sm90_shape<256, 4, 2, 8>"  # 128x256 tiles in 2-CTA clusters
 
 
 def compare_tensor(layer, out, x, logits, cfg, what):

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 PREFILL = [c for c in CONFIGS if c[0] != "grouped-sigmoid-bias"]
 DECODE_KERNEL = "grouped_gemm_sm90_decode_kernel"
 PERSISTENT_KERNEL = "grouped_gemm_sm90_kernel"
+PAIR_SHAPE = "mx_sm90_shape<256, 4, 2, 8>"  # the persistent kernel's 128x256 tiles in 2-CTA clusters
 
 
 def expected_gemm_kernel(rows_per_expert):
@@ -108,16 +109,14 @@ def test_decode_split_k(m, gen):
 
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
 def test_prefill_cluster_pairs(cfg, gen):
-    """From 1024 rows per local expert (gemm_configs.cuh kSm90PairMinRowsPerExpert) the persistent
-    kernel runs in 2-CTA clusters; GEMM2 stores y by sorted row from both CTAs of a pair (H = 328:
-    the last 32-column box of each 256-wide tile row is partly past H)."""
+    """From 1024 rows per local expert (gemm_configs.cuh kSm90PairMinRowsPerExpert) the 16-bit
+    persistent kernel runs in 2-CTA clusters (H = 328: the second n tile of GEMM2 is partly past H)."""
     _, _, _, kw, corr = cfg
     e, k = 4, 2
     layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=328, i=200)
     names = checked_forward(gen, torch.bfloat16, layer, reference, 2100, e)
     if on_hopper():
-        pair = "mx_sm90_shape<256, 4, 2, 8>"
-        assert any(PERSISTENT_KERNEL in n and pair in n for n in names), f"no {pair} ran: {names}"
+        assert any(PERSISTENT_KERNEL in n and PAIR_SHAPE in n for n in names), f"no {PAIR_SHAPE} ran: {names}"
 
 
 @pytest.mark.parametrize("m", [3, 512])  # decode kernel, persistent kernel
