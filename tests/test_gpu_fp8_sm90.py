@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), 
 WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
 DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
+WIDE_SHAPE = "mx_sm90_shape<256, 4, 1, 8>"  # the persistent kernel's 128x256 tiles
+NARROW_SHAPE = "mx_sm90_shape<128, 6, 1, 8>"  # its 128x128 tiles (block scales, gated GEMM1, I % 128 != 0)
 
 
 def compare_tensor(layer, out, x, logits, cfg, what):
@@ -90,6 +92,23 @@ def test_fp8_block_persistent_y_layouts(cfg, i, gen):
     names = checked_forward(gen, layer, m, e, f"fp8 block {cfg[0]} I={i} M={m}", cfg=cfg)
     if on_hopper():
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+
+
+@pytest.mark.parametrize("h,i,m", [(400, 256, 350), (1168, 384, 800), (400, 320, 800)])
+def test_fp8_block_persistent_tile_widths(h, i, m, gen):
+    """Block scales on the persistent kernel (gemm_configs_fp8.cuh mx_fp8_sm90_block_wide): GEMM1
+    on the 128x256 tiles (128-row weight boxes, each k block promoted per box) except the gated
+    kind with I % 128 != 0, whose up box would straddle two scale blocks (128x128 tiles); GEMM2 on
+    128x256 from 512 rows per expert. M = 350 / 800: ~233 / ~533 rows per expert. H = 1168: nine
+    k blocks with a tail, and a partial n tile in GEMM2."""
+    e, k = 3, 2
+    layer = loaded(gen, "qwen", "block", torch.bfloat16, e, k, h, i, CONFIGS[0])
+    names = checked_forward(gen, layer, m, e, f"fp8 block H={h} I={i} M={m}")
+    if on_hopper():
+        gemm1 = WIDE_SHAPE if i % 128 == 0 else NARROW_SHAPE
+        gemm2 = WIDE_SHAPE if m * k >= 512 * e else NARROW_SHAPE
+        assert any(WGMMA_FP8 in n and f"{gemm1}, 0, 2>" in n for n in names), f"GEMM1 not on {gemm1}: {names}"
+        assert any(WGMMA_FP8 in n and f"{gemm2}, 3, 2>" in n for n in names), f"GEMM2 not on {gemm2}: {names}"
 
 
 def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):

@@ -115,13 +115,14 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * slower with a few m tiles per expert (pairs straddle experts, and the
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
-/* FP8 with 128x128 block scales: every k block's products land in one of
- * two more accumulator sets (alternating) that is promoted with the block's
- * scales, so the tile holds 3 x BN/2 accumulators per thread; BN = 128 keeps
- * them under the 232 registers. 6 stages of 32 KB (193 KB, 1 CTA/SM). In
- * 2-CTA clusters with the weight boxes multicast (24 instead of 32 KB per k
- * block from L2 per CTA) it was not faster: -4..+12% per GEMM (H100,
- * 2026-11-25), so L2 does not bound this tile. */
+/* FP8 with 128x128 block scales where 128x256 tiles cannot or should not
+ * take them (gemm_configs_fp8.cuh mx_fp8_sm90_block_wide): every k block's
+ * products land in one of two more accumulator sets (alternating) that is
+ * promoted with the block's scales, so the tile holds 3 x BN/2
+ * accumulators per thread; BN = 128 keeps them under the 232 registers. 6
+ * stages of 32 KB (193 KB, 1 CTA/SM). In 2-CTA clusters with the weight
+ * boxes multicast (24 instead of 32 KB per k block from L2 per CTA) it was
+ * not faster: -4..+12% per GEMM (H100, 2026-11-25). */
 typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
 /* Where the persistent kernel's GEMM2 with block scales puts y: by sorted

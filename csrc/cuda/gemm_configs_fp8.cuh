@@ -78,8 +78,8 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_MID = 1,
     MX_FP8_TILE_LARGE = 2,
     /* Hopper wgmma (grouped_gemm_fp8_sm90.cu, tiles of gemm_configs.cuh):
-     * per-tensor scales on mx_tile_sm90, block scales on mx_tile_sm90_n128;
-     * 128-row m tiles */
+     * per-tensor scales on mx_tile_sm90, block scales on mx_tile_sm90 or
+     * mx_tile_sm90_n128 (mx_fp8_sm90_block_wide); 128-row m tiles */
     MX_FP8_TILE_SM90 = 3,
     /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh), the 16-bit
      * configs of the same number: 16- / 32- / 48- / 64-token tiles */
@@ -154,6 +154,31 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
     if (rows < kFp8Sm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(rows, e);
     return MX_FP8_TILE_SM90;
+}
+
+/* Block scales on the persistent kernel: the 128x256 tiles (mx_tile_sm90,
+ * 128-row weight boxes, each k block promoted per box) or the 128x128
+ * tiles (mx_tile_sm90_n128, 64-row boxes, two product sets of the whole
+ * tile alternating). A box must lie in one 128-row scale block, so the
+ * gated GEMM1 (MX_GEMM_GATE_UP) with I % 128 != 0 keeps 128x128; GEMM2
+ * (down) takes 128x256 from kFp8Sm90BlockWideDownRowsPerExpert rows per
+ * expert. H100, 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-block-wide-tiles.txt):
+ * per GEMM (profiles) GEMM1 on 128x256 -13..-20% at qwen3moe / DeepSeek-V3
+ * M = 16384, -5..-16% elsewhere from 128 rows per expert, flat at 64;
+ * GEMM2 on 128x256 -10% at 512 rows per expert (gpt-oss M = 16384), ahead
+ * at Mixtral's 1024 and 4096 (forwards 4% faster than with GEMM2 on
+ * 128x128), but +8% at 128 rows (gpt-oss, DeepSeek-V3 M = 4096) and +9% at
+ * 64 (qwen3moe M = 1024). This rule against 128x128 everywhere, forwards,
+ * three rounds: DeepSeek-V3 M = 4096 / 16384 -5.5 / -8.7%, Mixtral M = 1024
+ * / 4096 / 16384 -6.2 / -10.2 / -12.3%, qwen3moe M = 4096 / 16384 -3.7 /
+ * -4.9%, gpt-oss -2.8 / -1.5%, qwen3moe M = 1024 +0.8%. */
+constexpr int64_t kFp8Sm90BlockWideDownRowsPerExpert = 512;
+static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_cols, int64_t pairs,
+                                          int64_t local_experts)
+{
+    if (down)
+        return pairs >= kFp8Sm90BlockWideDownRowsPerExpert * (local_experts > 0 ? local_experts : 1);
+    return !gated || out_cols % 128 == 0;
 }
 
 /* Split-K of GEMM2 (decode config only): with few experts the grid has

@@ -2,7 +2,8 @@
  * (grouped_gemm_sm90_impl.cuh describes operands, tiling and pipeline) for
  * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
  * tiles (single CTAs: gemm_configs_fp8.cuh says why no pairs), 128x128
- * block scales on 128x128 tiles; act dtype bfloat16 or float16. The entry
+ * block scales on 128x256 or 128x128 tiles (mx_fp8_sm90_block_wide); act
+ * dtype bfloat16 or float16. The entry
  * also routes the decode configs to grouped_gemm_sm90_decode.cu, the only
  * ones that take the dense LINEAR kind (fp8_linear.cu). */
 #include "gemm_configs_fp8.cuh"
@@ -15,9 +16,13 @@ mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx
                              int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 E4M3;
-    if (quant == MX_QUANT_FP8_BLOCK)
+    if (quant == MX_QUANT_FP8_BLOCK) {
+        if (mx_fp8_sm90_block_wide(kind == MX_GEMM_GATE_UP, kind == MX_GEMM_DOWN, g->out_cols, g->pairs, local_experts))
+            return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
+                                                                                      m_tiles, stream);
         return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_n128, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
                                                                                        m_tiles, stream);
+    }
     return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
                                                                                m_tiles, stream);
 }

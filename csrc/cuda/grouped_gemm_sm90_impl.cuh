@@ -26,10 +26,10 @@
  *   a long K (a decode-kernel test without promotion erred 1.2x the 2e-2
  *   bound), so the products are accumulated on their own and added to the
  *   float32 accumulator: with block scales every k block (128 fp8 columns,
- *   one scale block), per tensor every two, per weight box (m64n128
- *   wgmmas, so that the extra set is BN/4 registers).
- * Tiling: CTA tile kBlockM (128) x kBlockN (256, or 128 with block scales) x
- * 128 bytes of K; the kBlockN weight
+ *   one scale block), per tensor every two; on 256-wide tiles per weight
+ *   box (m64n128 wgmmas, so that the extra set is BN/4 registers).
+ * Tiling: CTA tile kBlockM (128) x kBlockN (256, or 128 for some block-scale
+ * GEMMs) x 128 bytes of K; the kBlockN weight
  * rows arrive as two boxes of kBlockN/2 rows. For MX_GEMM_GATE_UP the boxes
  * are kBlockN/2 gate rows and the kBlockN/2 up rows of the same output
  * columns, so act(gate) * up is formed in registers. Interleaved (swigluoai)
@@ -664,14 +664,19 @@ template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int k
 /* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
  * mode); T: act / bias type. With 128x128 block scales (kBlockScales) each
  * k block (128 fp8 columns, one scale block) is accumulated on its own in
- * `part` and promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
+ * on its own and promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
  * the scales of the thread's two rows and of the tile's two weight boxes
  * (each box lies in one 128-row scale block: the launcher checks). That
- * promotion needs the k block's wgmmas retired; the products alternate
- * between two sets (`part`, `part_next`), so k block kb + 1's wgmmas are in
- * flight while k block kb is promoted (one set, waiting for each k block's
- * wgmmas before the next were issued, was 5-11% slower per GEMM: H100,
- * 2026-11-25, logs/2026-11-25-nvidia-h100-ab-block-promotion.txt). */
+ * promotion needs the k block's wgmmas retired. On 128-wide tiles
+ * (kTwoSets) the products alternate between two sets of the whole tile
+ * (`part`, `part_next`), so k block kb + 1's wgmmas are in flight while k
+ * block kb is promoted (one set, waiting for each k block's wgmmas before
+ * the next were issued, was 5-11% slower per GEMM: H100, 2026-11-25,
+ * logs/2026-11-25-nvidia-h100-ab-block-promotion.txt). On 256-wide tiles two
+ * such sets do not fit the registers: each weight box's k block goes into
+ * one set of BN/4 (m64n128 wgmmas) and is promoted once retired, as the
+ * per-tensor tiles promote (the other math warpgroup's wgmmas keep the
+ * tensor cores busy meanwhile). */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
@@ -692,6 +697,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr uint32_t HALF_W_BYTES = (BN / 2) * Shape::kBlockKBytes; /* one weight box */
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
+    constexpr bool kTwoSets = kBlockScales && BN <= 128; /* two product sets of the whole tile fit */
     constexpr bool kRowsFromX = sm90_rows_from_x<TA>(KIND); /* A rows by token, copied with cp.async */
     static_assert(!kRowsFromX || QUANT == MX_QUANT_NONE, "the FP8 mainloops do not fence cp.async rows");
 
@@ -822,8 +828,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
         };
         float acc[BN / 2];
-        /* block scales: the products of k blocks kb (one set) and kb + 1 (the other) */
-        float part[kBlockScales ? BN / 2 : 1], part_next[kBlockScales ? BN / 2 : 1];
+        /* two sets: the products of k blocks kb (one set) and kb + 1 (the other) */
+        float part[kTwoSets ? BN / 2 : 1], part_next[kTwoSets ? BN / 2 : 1];
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
             acc[i] = 0.0f;
@@ -856,7 +862,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld; /* boxes past n_rows read zeros */
                 sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
             }
-            if constexpr (kBlockScales) {
+            if constexpr (kTwoSets) {
                 /* two sets of products: k block kb + 1's wgmmas are issued before
                  * k block kb is waited for and promoted */
                 auto issue = [&](int kb, float(&p)[BN / 2]) {
@@ -907,11 +913,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     promote(kb, part, false);
                 }
                 it += k_blocks;
-            } else if constexpr (QUANT == MX_QUANT_FP8_TENSOR) {
+            } else if constexpr (QUANT != MX_QUANT_NONE) {
                 /* the tensor cores' FP8 accumulation keeps too few bits over a long
-                 * K: every two k blocks (256 fp8 columns) of each weight box go
-                 * into part and are added to acc in float32; the two slots are
-                 * released together. Half the promotion waits of one k block at a
+                 * K: per tensor every two k blocks (256 fp8 columns) of each weight
+                 * box go into part and are added to acc in float32, the two slots
+                 * released together; with block scales (256-wide tiles) each k
+                 * block, promoted with its scales. Half the promotion waits of one k block at a
                  * time: DeepSeek-V3 fp8_tensor M = 4096 6129 -> 5444 us, 2048
                  * 4806 -> 4638, Mixtral M = 1024 / 16384 -1.6 / -1.9%, qwen3moe
                  * -1.0..+1.0%, test errors unchanged (H100, 2026-11-25). Two
@@ -923,11 +930,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                  * wgmmas (C7519); straight, DeepSeek-V3 M = 4096 forwards
                  * -0.7%, Mixtral M = 16384 -0.2% (H200, 2026-11-26); an odd
                  * last block on its own path spilled 500-900 bytes. */
-                static_assert(STAGES >= 2, "a promotion holds two slots");
-                for (int kb = 0; kb < k_blocks; kb += 2) {
-                    uint32_t slot[2];
+                constexpr int KB = kBlockScales ? 1 : 2; /* k blocks per promotion */
+                static_assert(STAGES >= KB, "a promotion holds KB slots");
+                for (int kb = 0; kb < k_blocks; kb += KB) {
+                    /* block scales of this k block, loaded while the slot fills */
+                    float lo[2] = {1.0f, 1.0f}, hi[2] = {1.0f, 1.0f};
+                    if (kBlockScales) {
+                        const float a_lo = sa_lo ? sa_lo[kb] : 0.0f, a_hi = sa_hi ? sa_hi[kb] : 0.0f;
+                        const float w0 = sw0 ? sw0[kb] : 0.0f, w1 = sw1 ? sw1[kb] : 0.0f;
+                        lo[0] = a_lo * w0;
+                        lo[1] = a_lo * w1;
+                        hi[0] = a_hi * w0;
+                        hi[1] = a_hi * w1;
+                    }
+                    uint32_t slot[KB];
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
+                    for (int j = 0; j < KB; ++j) {
                         slot[j] = (it + j) % STAGES;
                         mbar_wait(full_bar(slot[j]), ((it + j) / STAGES) & 1u);
                     }
@@ -937,7 +955,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         fence_acc(part);
                         wgmma_fence();
 #pragma unroll
-                        for (int j = 0; j < 2; ++j) {
+                        for (int j = 0; j < KB; ++j) {
                             const uint32_t a_src = base + slot[j] * STAGE_BYTES + wg * 64 * 128,
                                            w_src = base + slot[j] * STAGE_BYTES + A_BYTES + h * HALF_W_BYTES;
 #pragma unroll
@@ -948,14 +966,20 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         wgmma_commit();
                         wgmma_wait<0>();
                         fence_acc(part);
+                        if (kBlockScales) {
 #pragma unroll
-                        for (int j = 0; j < BN / 4; ++j)
-                            acc[h * (BN / 4) + j] += part[j];
+                            for (int j = 0; j < BN / 4; ++j)
+                                acc[h * (BN / 4) + j] = fmaf(part[j], j % 4 < 2 ? lo[h] : hi[h], acc[h * (BN / 4) + j]);
+                        } else {
+#pragma unroll
+                            for (int j = 0; j < BN / 4; ++j)
+                                acc[h * (BN / 4) + j] += part[j];
+                        }
                     }
 #pragma unroll
-                    for (int j = 0; j < 2; ++j)
+                    for (int j = 0; j < KB; ++j)
                         release(slot[j]);
-                    it += 2;
+                    it += KB;
                 }
             } else {
                 uint32_t prev = 0;
