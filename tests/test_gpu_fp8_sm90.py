@@ -94,21 +94,26 @@ def test_fp8_block_persistent_y_layouts(cfg, i, gen):
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
 
 
-@pytest.mark.parametrize("h,i,m", [(400, 256, 350), (1168, 384, 800), (400, 320, 800)])
-def test_fp8_block_persistent_tile_widths(h, i, m, gen):
+@pytest.mark.parametrize("h,i,m,cfg", [(400, 256, 350, CONFIGS[0]), (1168, 384, 800, CONFIGS[1]),
+                                       (400, 320, 800, CONFIGS[0])], ids=["silu-i256", "gelu-i384", "silu-i320"])
+def test_fp8_block_persistent_tile_widths(h, i, m, cfg, gen):
     """Block scales on the persistent kernel (gemm_configs_fp8.cuh mx_fp8_sm90_block_wide): GEMM1
-    on the 128x256 tiles (128-row weight boxes, each k block promoted per box) except the gated
-    kind with I % 128 != 0, whose up box would straddle two scale blocks (128x128 tiles); GEMM2 on
-    128x256 from 512 rows per expert. M = 350 / 800: ~233 / ~533 rows per expert. H = 1168: nine
+    on the 128x256 tiles (128-row weight boxes, each k block promoted per box; act quantized in the
+    epilogue, one 128-column group per tile row) except the gated kind with I % 128 != 0, whose up
+    box would straddle two scale blocks (128x128 tiles); GEMM2 on 128x256 from 512 rows per
+    expert. M = 350 / 800: ~233 / ~533 rows per expert. H = 1168: nine
     k blocks with a tail, and a partial n tile in GEMM2."""
     e, k = 3, 2
-    layer = loaded(gen, "qwen", "block", torch.bfloat16, e, k, h, i, CONFIGS[0])
-    names = checked_forward(gen, layer, m, e, f"fp8 block H={h} I={i} M={m}")
+    layer = loaded(gen, "qwen", "block", torch.bfloat16, e, k, h, i, cfg)
+    names = checked_forward(gen, layer, m, e, f"fp8 block {cfg[0]} H={h} I={i} M={m}", cfg=cfg)
     if on_hopper():
         gemm1 = WIDE_SHAPE if i % 128 == 0 else NARROW_SHAPE
         gemm2 = WIDE_SHAPE if m * k >= 512 * e else NARROW_SHAPE
         assert any(WGMMA_FP8 in n and f"{gemm1}, 0, 2>" in n for n in names), f"GEMM1 not on {gemm1}: {names}"
         assert any(WGMMA_FP8 in n and f"{gemm2}, 3, 2>" in n for n in names), f"GEMM2 not on {gemm2}: {names}"
+        # the wide gated GEMM1 quantizes act in its epilogue: x's group quantizer is the only one
+        quantizers = [n for n in names if "group_quant" in n]
+        assert len(quantizers) == (1 if gemm1 == WIDE_SHAPE else 2), names
 
 
 def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):

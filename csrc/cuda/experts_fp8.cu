@@ -28,8 +28,9 @@
  *                               from act_amax; BLOCK: group_quant_kernel
  *                               (act_scale [rows, I/128]); valid sorted rows only.
  *                               BLOCK on the Hopper decode kernel's 16- and
- *                               32-token tiles: no launch, GEMM1's epilogue
- *                               quantizes act the same way
+ *                               32-token tiles and on the persistent kernel's
+ *                               gated 128x256 tiles: no launch, GEMM1's
+ *                               epilogue quantizes act the same way
  *   6. GEMM2 (fp8)              y = (act_q @ w2[e].T * scales + b2) * w, float32, by
  *                               pair (split-K slices at decode), or by sorted row
  *                               (the persistent kernel with block scales and a
@@ -246,9 +247,14 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
                                  : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                      : MX_GEMM_GATE_UP;
     const bool sm90 = mx_fp8_tile_is_sm90(plan.tile_config);
-    /* the Hopper decode kernel's small tiles quantize act per 128 columns in
-     * GEMM1's epilogue (no act round trip, one launch less) */
-    const bool act_in_gemm1 = block && sm90 && mx_tile_sm90_decode_quantizes_act(plan.tile_config);
+    /* the Hopper decode kernel's small tiles and the persistent kernel's
+     * gated 128x256 tiles quantize act per 128 columns in GEMM1's epilogue
+     * (no act round trip, one launch less) */
+    const bool act_in_gemm1 =
+        block && sm90 &&
+        (mx_tile_is_sm90_decode(plan.tile_config)
+             ? mx_tile_sm90_decode_quantizes_act(plan.tile_config)
+             : kind1 == MX_GEMM_GATE_UP && mx_fp8_sm90_block_wide(true, false, I, plan.pairs, p->num_local_experts));
     if (act_in_gemm1) {
         g1.act_q = act_q;
         g1.act_q_ld = plan.ld_aq;

@@ -71,6 +71,13 @@ __device__ __forceinline__ uint8_t mx_fp8_encode_divided(float x, float s, float
     return mx_fp8_encode(isfinite(s) ? mx_fp8_div(x, s, r) : __fdiv_rn(x, s));
 }
 
+/* the same for a pair, one conversion for both (mx_fp8_encode2's layout) */
+__device__ __forceinline__ uint16_t mx_fp8_encode2_divided(float x0, float x1, float s, float r)
+{
+    return isfinite(s) ? mx_fp8_encode2(mx_fp8_div(x0, s, r), mx_fp8_div(x1, s, r))
+                       : mx_fp8_encode2(__fdiv_rn(x0, s), __fdiv_rn(x1, s));
+}
+
 /* max(a, b) that returns NaN when either is NaN (fmaxf would drop it);
  * equal to fmaxf otherwise. On sm_80 and later one max.NaN instruction (a
  * NaN comes out as the canonical NaN; callers pass amaxes and scales, never

@@ -19,7 +19,8 @@ typedef struct mx_sm90_scales {
     int64_t w_rows;       /* BLOCK: ceil(n_rows / 128) */
     int64_t w_ld;         /* BLOCK: ceil(k / 128) */
     uint32_t *amax;       /* GEMM1 with TENSOR: atomic amax of the stored act values (float bits) */
-    uint8_t *act_q;       /* GEMM1 of the decode kernel with BLOCK: act quantized in the epilogue, fp8 [rows,
+    uint8_t *act_q;       /* block-scale GEMM1 of the decode kernel's small tiles and of the persistent
+                             kernel's gated 128x256 tiles: act quantized in the epilogue, fp8 [rows,
                              act_q_ld] by sorted row s, with its group scales (per row and 128 columns) at
                              act_q_scale [rows, act_q_scale_ld]; out is not written */
     int64_t act_q_ld;

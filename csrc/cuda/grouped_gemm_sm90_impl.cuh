@@ -605,20 +605,102 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     }
 }
 
+/* Whether GEMM1 quantizes act itself (sc.act_q): the block-scale gated
+ * kind on 256-wide tiles, whose 128 act columns per row are one 128-column
+ * group (the tile's n index is the group's), so that the group quantizer's
+ * launch and act's 16-bit round trip are not needed. Against that
+ * quantizer (H100, 2026-11-26, logs/2026-11-26-nvidia-h100-bench-ab-act-q-in-gemm1.txt,
+ * three rounds; forwards bit-identical): qwen3moe fp8_block M = 1024 / 4096
+ * / 16384 -5.0 / -3.7 / -3.2%, DeepSeek-V3 M = 4096 -3.5%, Mixtral M = 256
+ * / 1024 -2.7 / -3.4%, but DeepSeek-V3 M = 16384 +0.7..+1.8%: the
+ * epilogue's ~2 us more per tile (it issues ~700 more instructions per
+ * warp while the tensor cores wait) outweighs the quantizer's pass only
+ * where GEMM1 is compute-bound over a long K (GEMM1 8196 -> 8509 us there,
+ * the quantizer's 398 us gone). */
+template <typename Shape, int KIND, int QUANT> __host__ __device__ constexpr bool sm90_quantizes_act()
+{
+    return KIND == MX_GEMM_GATE_UP && QUANT == MX_QUANT_FP8_BLOCK && Shape::kBlockN == 256;
+}
+
+/* sm90_quantizes_act's epilogue: act values as sm90_store_act forms them,
+ * rounded to the act dtype, then each row's group scale from the maximum
+ * over its 128 columns (the four lanes of a quad hold them) and the fp8
+ * values, with the group quantizer's formulas, so the same bits. Lanes q
+ * and q ^ 1 swap a pair, so that the even lane stores 4 bytes of row lo and
+ * the odd lane the same 4 of row hi; lanes 0 and 1 store the rows' scales. */
+template <typename T, typename Shape, int ACT>
+__device__ __forceinline__ void sm90_store_act_q(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
+                                                 int nt, int expert, const mx_gemm_args &g, float sc,
+                                                 const mx_sm90_scales &scales)
+{
+    constexpr int BN = Shape::kBlockN, GROUPS = BN / 16, UP = BN / 16;
+    static_assert(BN / 2 == kFp8Block, "one act group per tile row");
+    const int q = lane % 4;
+    const int64_t oc = g.out_cols;
+    const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
+    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const int64_t tile_col = static_cast<int64_t>(nt) * (BN / 2), col0 = tile_col + 2 * q;
+    uint32_t gate_bias[GROUPS], up_bias[GROUPS];
+    sm90_load_bias_pairs(bias, col0, 8, oc, gate_bias);
+    sm90_load_bias_pairs(bias ? bias + oc : nullptr, col0, 8, oc, up_bias);
+    /* the act pairs (col0 + 8i, + 1) of rows lo and hi, rounded */
+    uint32_t act_lo[GROUPS], act_hi[GROUPS];
+    float max_lo = 0.0f, max_hi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GROUPS; ++i) {
+        const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
+        const int u = 4 * (i + UP);
+        act_lo[i] = mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
+                                mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit));
+        act_hi[i] = mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
+                                mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit));
+        const float2 lo = mx_unpack2<T>(act_lo[i]), hi = mx_unpack2<T>(act_hi[i]);
+        max_lo = mx_amax_step(mx_amax_step(max_lo, lo.x), lo.y);
+        max_hi = mx_amax_step(mx_amax_step(max_hi, hi.x), hi.y);
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        max_lo = mx_max_nan(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, off));
+        max_hi = mx_max_nan(max_hi, __shfl_xor_sync(0xffffffffu, max_hi, off));
+    }
+    const float s_lo = mx_fp8_group_scale(max_lo), s_hi = mx_fp8_group_scale(max_hi);
+    const float r_lo = mx_fp8_div_recip(s_lo), r_hi = mx_fp8_div_recip(s_hi);
+    const bool even = (q & 1) == 0;
+    const int32_t pair = even ? rows.pair_lo : rows.pair_hi;
+    const int64_t s_row = rows.s_lo + (even ? 0 : 8);
+    uint8_t *q_row = scales.act_q + s_row * scales.act_q_ld + tile_col + 2 * (q & ~1);
+    if (q < 2 && pair >= 0)
+        scales.act_q_scale[s_row * scales.act_q_scale_ld + nt] = even ? s_lo : s_hi;
+#pragma unroll
+    for (int i = 0; i < GROUPS; ++i) {
+        const float2 lo = mx_unpack2<T>(act_lo[i]), hi = mx_unpack2<T>(act_hi[i]);
+        const uint32_t q_lo = mx_fp8_encode2_divided(lo.x, lo.y, s_lo, r_lo);
+        const uint32_t q_hi = mx_fp8_encode2_divided(hi.x, hi.y, s_hi, r_hi);
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, even ? q_hi : q_lo, 1);
+        if (pair >= 0)
+            *reinterpret_cast<uint32_t *>(q_row + 8 * i) = even ? q_lo | got << 16 : got | q_hi << 16;
+    }
+}
+
 /* The epilogue of one tile, dispatched once per tile on the activation
  * (only the pairs check_problem allows are instantiated: swigluoai with the
  * interleaved kind, silu / gelu gated, relu2 / silu / gelu plain). GEMM1
  * with per-tensor FP8 scales ends with one atomic amax per warp. */
 template <typename T, typename Shape, int KIND, int QUANT>
 __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
-                                              int nt, int expert, const mx_gemm_args &g, float sc, uint32_t *amax_bits,
-                                              const sm90_out_stage &stage, unsigned char *warp_stage,
-                                              const CUtensorMap *map_out, int warp_row0)
+                                              int nt, int expert, const mx_gemm_args &g, float sc,
+                                              const mx_sm90_scales &scales, const sm90_out_stage &stage,
+                                              unsigned char *warp_stage, const CUtensorMap *map_out, int warp_row0)
 {
     constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
     float amax = 0.0f;
     constexpr bool kWarpStaged = sm90_warp_staged<KIND, QUANT>();
-    if (sm90_y_boxes<KIND, QUANT>(g)) {
+    if constexpr (sm90_quantizes_act<Shape, KIND, QUANT>()) {
+        if (g.activation == MX_ACT_GELU)
+            sm90_store_act_q<T, Shape, MX_ACT_GELU>(acc, rows, lane, nt, expert, g, sc, scales);
+        else
+            sm90_store_act_q<T, Shape, MX_ACT_SILU>(acc, rows, lane, nt, expert, g, sc, scales);
+    } else if (sm90_y_boxes<KIND, QUANT>(g)) {
         sm90_store_down_boxes<T, Shape>(acc, rows, lane, nt, expert, g, sc, mx_smem_addr(warp_stage), map_out,
                                         warp_row0);
     } else if (KIND == MX_GEMM_DOWN && kWarpStaged) {
@@ -641,7 +723,7 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
     if (kAmax) {
         amax = mx_warp_max(amax);
         if (threadIdx.x % 32 == 0 && !(amax <= 0.0f)) /* > 0 or NaN */
-            mx_atomic_amax(amax_bits, amax);
+            mx_atomic_amax(scales.amax, amax);
     }
 }
 
@@ -1024,7 +1106,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     sm90_down_boxes<KIND, QUANT>() ? Shape::kDownStageBytes : Shape::kWarpStageBytes;
                 unsigned char *warp_stage =
                     sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * kWarpBytes;
-                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, g, cur.scale, sc.amax, stage, warp_stage,
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, g, cur.scale, sc, stage, warp_stage,
                                                      &tma_out, mt * BM + wg * 64 + warp_in_wg * 16);
                 if constexpr (sm90_staged_out<KIND>()) {
                     fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
@@ -1123,6 +1205,10 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
     if (g.y_by_sorted_row && !boxes)
         return mx_status_fail(MX_ERR_VALUE, "%s: y by sorted row is not compiled here", name);
+    constexpr bool kQuantAct = sm90_quantizes_act<Shape, KIND, QUANT>();
+    if (kQuantAct != (sc.act_q != nullptr && sc.act_q_scale != nullptr))
+        return mx_status_fail(MX_ERR_VALUE, "%s: act_q and act_q_scale %s", name,
+                              kQuantAct ? "are required (the kernel quantizes act)" : "are not taken here");
 
     static std::atomic<unsigned long long> configured{0};
     constexpr size_t kSmem = sm90_smem_bytes<Shape, KIND, QUANT>();
