@@ -468,6 +468,19 @@ struct sm90_out_stage {
     int row;       /* rows row and row + 8 of the warpgroup's 64 */
 };
 
+/* The gated kind's act pair (columns 8i + 2q, + 1 of the tile) of the
+ * thread's row lo (hi: its row hi), packed in the act dtype: gate from
+ * fragment group i, up from group i + BN / 16 (the up box), plus their
+ * bias pairs bg, bu. */
+template <typename T, typename Shape, int ACT>
+__device__ __forceinline__ uint32_t sm90_gated_pair(const float (&acc)[Shape::kBlockN / 2], int i, bool hi, float sc,
+                                                    float2 bg, float2 bu, float alpha, float limit)
+{
+    const int g = 4 * i + (hi ? 2 : 0), u = 4 * (i + Shape::kBlockN / 16) + (hi ? 2 : 0);
+    return mx_pack2<T>(mx_act_gated(ACT, acc[g] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
+                       mx_act_gated(ACT, acc[g + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit));
+}
+
 /* GEMM1: act[s, col] = ACT(acc * sc + w13_bias) in act dtype; with kAmax
  * also the running amax of the stored values. The interleaved kind goes
  * into its warpgroup's staging boxes (TMA store); with kWarpStaged the
@@ -527,7 +540,6 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
         __syncwarp(); /* read before the next chunk is written */
     };
     if (KIND == MX_GEMM_GATE_UP) {
-        constexpr int UP = BN / 16; /* the up rows start at fragment group BN / 16 */
         const int64_t col0 = tile_col + 2 * q;
         uint32_t gate_bias[BN / 16], up_bias[BN / 16];
         sm90_load_bias_pairs(bias, col0, 8, oc, gate_bias);
@@ -542,15 +554,10 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
                 if (col >= oc)
                     continue;
                 const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
-                const int u = 4 * (i + UP);
                 if (lo)
-                    store(false, col,
-                          mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
-                                      mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit)));
+                    store(false, col, sm90_gated_pair<T, Shape, ACT>(acc, i, false, sc, bg, bu, alpha, limit));
                 if (hi)
-                    store(true, col,
-                          mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
-                                      mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit)));
+                    store(true, col, sm90_gated_pair<T, Shape, ACT>(acc, i, true, sc, bg, bu, alpha, limit));
             }
             flush(64 * c);
         }
@@ -635,7 +642,7 @@ __device__ __forceinline__ void sm90_store_act_q(const float (&acc)[Shape::kBloc
                                                  int nt, int expert, const mx_gemm_args &g, float sc,
                                                  const mx_sm90_scales &scales)
 {
-    constexpr int BN = Shape::kBlockN, GROUPS = BN / 16, UP = BN / 16;
+    constexpr int BN = Shape::kBlockN, GROUPS = BN / 16; /* fragment groups of 8 act columns */
     static_assert(BN / 2 == kFp8Block, "one act group per tile row");
     const int q = lane % 4;
     const int64_t oc = g.out_cols;
@@ -651,11 +658,8 @@ __device__ __forceinline__ void sm90_store_act_q(const float (&acc)[Shape::kBloc
 #pragma unroll
     for (int i = 0; i < GROUPS; ++i) {
         const float2 bg = mx_unpack2<T>(gate_bias[i]), bu = mx_unpack2<T>(up_bias[i]);
-        const int u = 4 * (i + UP);
-        act_lo[i] = mx_pack2<T>(mx_act_gated(ACT, acc[4 * i] * sc + bg.x, acc[u] * sc + bu.x, alpha, limit),
-                                mx_act_gated(ACT, acc[4 * i + 1] * sc + bg.y, acc[u + 1] * sc + bu.y, alpha, limit));
-        act_hi[i] = mx_pack2<T>(mx_act_gated(ACT, acc[4 * i + 2] * sc + bg.x, acc[u + 2] * sc + bu.x, alpha, limit),
-                                mx_act_gated(ACT, acc[4 * i + 3] * sc + bg.y, acc[u + 3] * sc + bu.y, alpha, limit));
+        act_lo[i] = sm90_gated_pair<T, Shape, ACT>(acc, i, false, sc, bg, bu, alpha, limit);
+        act_hi[i] = sm90_gated_pair<T, Shape, ACT>(acc, i, true, sc, bg, bu, alpha, limit);
         const float2 lo = mx_unpack2<T>(act_lo[i]), hi = mx_unpack2<T>(act_hi[i]);
         max_lo = mx_amax_step(mx_amax_step(max_lo, lo.x), lo.y);
         max_hi = mx_amax_step(mx_amax_step(max_hi, hi.x), hi.y);
@@ -747,8 +751,8 @@ template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int k
 
 /* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
  * mode); T: act / bias type. With 128x128 block scales (kBlockScales) each
- * k block (128 fp8 columns, one scale block) is accumulated on its own in
- * on its own and promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
+ * k block (128 fp8 columns, one scale block) is accumulated on its own and
+ * promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
  * the scales of the thread's two rows and of the tile's two weight boxes
  * (each box lies in one 128-row scale block: the launcher checks). That
  * promotion needs the k block's wgmmas retired. On 128-wide tiles
@@ -999,21 +1003,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 it += k_blocks;
             } else if constexpr (QUANT != MX_QUANT_NONE) {
                 /* the tensor cores' FP8 accumulation keeps too few bits over a long
-                 * K: per tensor every two k blocks (256 fp8 columns) of each weight
-                 * box go into part and are added to acc in float32, the two slots
-                 * released together; with block scales (256-wide tiles) each k
-                 * block, promoted with its scales. Half the promotion waits of one k block at a
-                 * time: DeepSeek-V3 fp8_tensor M = 4096 6129 -> 5444 us, 2048
-                 * 4806 -> 4638, Mixtral M = 1024 / 16384 -1.6 / -1.9%, qwen3moe
-                 * -1.0..+1.0%, test errors unchanged (H100, 2026-11-25). Two
-                 * product sets of 64 columns alternating instead: Mixtral M =
-                 * 16384 +26% (m64n64 wgmmas read A twice as often: the shared
-                 * memory bandwidth). k_blocks is even (an odd count padded
-                 * with a zero block), so no wgmma is conditional: with the
-                 * second block of a pair under a branch ptxas fenced the
-                 * wgmmas (C7519); straight, DeepSeek-V3 M = 4096 forwards
-                 * -0.7%, Mixtral M = 16384 -0.2% (H200, 2026-11-26); an odd
-                 * last block on its own path spilled 500-900 bytes. */
+                 * K: each weight box's products go into part and are added to acc
+                 * in float32, with block scales (256-wide tiles) every k block,
+                 * promoted with its scales, per tensor every two k blocks (256
+                 * fp8 columns), the two slots released together. Per tensor,
+                 * half the promotion waits of one k block at a time: DeepSeek-V3
+                 * fp8_tensor M = 4096 6129 -> 5444 us, 2048 4806 -> 4638,
+                 * Mixtral M = 1024 / 16384 -1.6 / -1.9%, qwen3moe -1.0..+1.0%,
+                 * test errors unchanged (H100, 2026-11-25). Two product sets of
+                 * 64 columns alternating instead: Mixtral M = 16384 +26% (m64n64
+                 * wgmmas read A twice as often: the shared memory bandwidth).
+                 * k_blocks is even per tensor (an odd count padded with a zero
+                 * block), so no wgmma is conditional: with the second block of a
+                 * pair under a branch ptxas fenced the wgmmas (C7519); straight,
+                 * DeepSeek-V3 M = 4096 forwards -0.7%, Mixtral M = 16384 -0.2%
+                 * (H200, 2026-11-26); an odd last block on its own path spilled
+                 * 500-900 bytes. */
                 constexpr int KB = kBlockScales ? 1 : 2; /* k blocks per promotion */
                 static_assert(STAGES >= KB, "a promotion holds KB slots");
                 for (int kb = 0; kb < k_blocks; kb += KB) {
