@@ -141,7 +141,12 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-fp8-pair-threshold.txt,
  * logs/2026-11-26-nvidia-h100-bench-ab-fp8-no-pairs.txt): Mixtral M = 4096
  * +4.0 / -0.4%, M = 16384 +4.8 / +4.8%, qwen3moe M = 16384 +1.9 / -0.2%,
- * DeepSeek-V3 within 0.5%; from 512 rows slower still.
+ * DeepSeek-V3 within 0.5%; from 512 rows slower still. With block scales on
+ * the 128x256 tiles (mx_fp8_sm90_block_wide) the persistent kernel from 32
+ * rows per expert instead: DeepSeek-V3 M = 1024 +3.6%, gpt-oss +7.2%,
+ * qwen3moe M = 512 +2.6%, Mixtral M = 128 -1.0% (H100, 2026-11-26,
+ * logs/2026-11-26-nvidia-h100-bench-ab-block-wide-tiles.txt, call 105), so
+ * 64 stays for both.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
 
