@@ -619,13 +619,14 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
  * quantizer (H100, 2026-11-26, logs/2026-11-26-nvidia-h100-bench-ab-act-q-in-gemm1.txt,
  * three rounds; forwards bit-identical): qwen3moe fp8_block M = 1024 / 4096
  * / 16384 -5.0 / -3.7 / -3.2%, DeepSeek-V3 M = 4096 -3.5%, Mixtral M = 256
- * / 1024 -2.7 / -3.4%, but DeepSeek-V3 M = 16384 +0.7..+1.8%: the
- * epilogue's ~2 us more per tile (it issues ~700 more instructions per
- * warp while the tensor cores wait) outweighs the quantizer's pass only
- * where GEMM1 is compute-bound over a long K (GEMM1 8196 -> 8509 us there,
- * the quantizer's 398 us gone). The fp8 rows staged through each warp's
- * shared memory for whole-line stores instead: DeepSeek-V3 M = 16384 +1.6%
- * more, the rest within noise (not kept). */
+ * / 1024 -2.7 / -3.4%, but DeepSeek-V3 M = 16384 +0.7..+1.8% (GEMM1 8196
+ * -> 8509 us there, the quantizer's 398 us gone). The epilogue takes ~2 us
+ * more per tile (~700 more instructions per warp while the tensor cores
+ * wait), but ncu on that GEMM1 (logs/2026-11-26-nvidia-h100-e688790-ncu-deepseek-gemm1-act-q.txt)
+ * puts its loss in L2 reuse: hit rate 62.7 -> 50.9%, 7.8 GB more DRAM
+ * traffic. The fp8 rows staged through each warp's shared memory for
+ * whole-line stores instead: DeepSeek-V3 M = 16384 +1.6% more, the rest
+ * within noise (not kept). */
 template <typename Shape, int KIND, int QUANT> __host__ __device__ constexpr bool sm90_quantizes_act()
 {
     return KIND == MX_GEMM_GATE_UP && QUANT == MX_QUANT_FP8_BLOCK && Shape::kBlockN == 256;
