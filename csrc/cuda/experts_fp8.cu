@@ -247,14 +247,9 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
                                  : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                      : MX_GEMM_GATE_UP;
     const bool sm90 = mx_fp8_tile_is_sm90(plan.tile_config);
-    /* the Hopper decode kernel's small tiles and the persistent kernel's
-     * gated 128x256 tiles quantize act per 128 columns in GEMM1's epilogue
-     * (no act round trip, one launch less) */
+    /* no act round trip, one launch less */
     const bool act_in_gemm1 =
-        block && sm90 &&
-        (mx_tile_is_sm90_decode(plan.tile_config)
-             ? mx_tile_sm90_decode_quantizes_act(plan.tile_config)
-             : kind1 == MX_GEMM_GATE_UP && mx_fp8_sm90_block_wide(true, false, I, plan.pairs, p->num_local_experts));
+        block && mx_fp8_sm90_block_gemm1_quantizes_act(plan.tile_config, kind1 == MX_GEMM_GATE_UP, I);
     if (act_in_gemm1) {
         g1.act_q = act_q;
         g1.act_q_ld = plan.ld_aq;

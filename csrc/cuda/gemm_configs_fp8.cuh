@@ -186,6 +186,18 @@ static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_col
     return !gated || out_cols % 128 == 0;
 }
 
+/* Whether the block-scale GEMM1 of `config` quantizes act in its epilogue
+ * (no act group quantizer launch): the Hopper decode kernel's small tiles
+ * (mx_tile_sm90_decode_quantizes_act) and the persistent kernel's gated
+ * 128x256 tiles (grouped_gemm_sm90_impl.cuh sm90_quantizes_act), whose 128
+ * act columns per tile row are one 128-column group. */
+static inline bool mx_fp8_sm90_block_gemm1_quantizes_act(int config, bool gated, int64_t inter)
+{
+    if (mx_tile_is_sm90_decode(config))
+        return mx_tile_sm90_decode_quantizes_act(config);
+    return config == MX_FP8_TILE_SM90 && gated && mx_fp8_sm90_block_wide(true, false, inter, 0, 0);
+}
+
 /* Split-K of GEMM2 (decode config only): with few experts the grid has
  * too few CTAs to stream the weights (Mixtral at M = 1: 2 experts x 32
  * n tiles), so K is cut into slices whose float32 partials moe_sum adds.

@@ -363,8 +363,6 @@ __device__ __forceinline__ void sm90_store_down_boxes(const float (&acc)[Shape::
     /* the bias pairs of columns 8u + 2q of this chunk and of the next */
     uint32_t bias_now[4], bias_next[4];
     sm90_load_bias_pairs(bias, tile_col + 2 * q, 8, g.out_cols, bias_next);
-    /* 16-byte unit `unit` of row `row` of a box, XOR-swizzled by row % 8 */
-    auto at = [&](uint32_t box, int row, int unit) { return box + row * 128 + ((unit ^ (row % 8)) << 4); };
 #pragma unroll
     for (int c = 0; c < BN / 32; ++c) {
         if (tile_col + 32 * c >= g.out_cols) /* the same for the whole warp */
@@ -383,9 +381,10 @@ __device__ __forceinline__ void sm90_store_down_boxes(const float (&acc)[Shape::
             const int i = 4 * c + u;
             const float2 b = mx_unpack2<T>(bias_now[u]);
             const uint32_t half = 8u * static_cast<uint32_t>(q % 2);
-            st_shared_f32x2(at(box, r, 2 * u + q / 2) + half, (acc[4 * i] * sc + b.x) * rows.w_lo,
+            const uint32_t byte = 16u * static_cast<uint32_t>(2 * u + q / 2) + half;
+            st_shared_f32x2(box + sw128_offset(r, byte), (acc[4 * i] * sc + b.x) * rows.w_lo,
                             (acc[4 * i + 1] * sc + b.y) * rows.w_lo);
-            st_shared_f32x2(at(box, r + 8, 2 * u + q / 2) + half, (acc[4 * i + 2] * sc + b.x) * rows.w_hi,
+            st_shared_f32x2(box + sw128_offset(r + 8, byte), (acc[4 * i + 2] * sc + b.x) * rows.w_hi,
                             (acc[4 * i + 3] * sc + b.y) * rows.w_hi);
         }
         fence_proxy_async_smem(); /* the copy engine reads what the warp wrote */
