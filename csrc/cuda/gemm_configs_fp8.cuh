@@ -178,12 +178,17 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
  * / 4096 / 16384 -6.2 / -10.2 / -12.3%, qwen3moe M = 4096 / 16384 -3.7 /
  * -4.9%, gpt-oss -2.8 / -1.5%, qwen3moe M = 1024 +0.8%. */
 constexpr int64_t kFp8Sm90BlockWideDownRowsPerExpert = 512;
+/* the GEMM1 half of the rule: only the gated kind's up box can straddle */
+static inline bool mx_fp8_sm90_block_wide_gemm1(bool gated, int64_t out_cols)
+{
+    return !gated || out_cols % 128 == 0;
+}
 static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_cols, int64_t pairs,
                                           int64_t local_experts)
 {
     if (down)
         return pairs >= kFp8Sm90BlockWideDownRowsPerExpert * (local_experts > 0 ? local_experts : 1);
-    return !gated || out_cols % 128 == 0;
+    return mx_fp8_sm90_block_wide_gemm1(gated, out_cols);
 }
 
 /* Whether the block-scale GEMM1 of `config` quantizes act in its epilogue
@@ -195,7 +200,7 @@ static inline bool mx_fp8_sm90_block_gemm1_quantizes_act(int config, bool gated,
 {
     if (mx_tile_is_sm90_decode(config))
         return mx_tile_sm90_decode_quantizes_act(config);
-    return config == MX_FP8_TILE_SM90 && gated && mx_fp8_sm90_block_wide(true, false, inter, 0, 0);
+    return config == MX_FP8_TILE_SM90 && gated && mx_fp8_sm90_block_wide_gemm1(true, inter);
 }
 
 /* Split-K of GEMM2 (decode config only): with few experts the grid has
