@@ -572,6 +572,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="result JSON (default benchmarks/results/"
                         "<date>-<gpu>-<short commit>.json)")
     parser.add_argument("--previous", help="an earlier result JSON: report our speedup over it")
+    parser.add_argument("--no-decode-fused", action="store_true",
+                        help="run every forward on the multi-launch pipeline (no one-launch decode)")
     args = parser.parse_args(argv)
 
     def listed(text, allowed, what):
@@ -610,12 +612,15 @@ def main(argv=None):
     if not moe_ext.cuda_available():
         raise SystemExit("moe_ext was built without its CUDA engine")
     torch.set_float32_matmul_precision("highest")   # the float32 reference must not use TF32
+    if args.no_decode_fused:
+        moe_ext._C._set_decode_fused(False)
 
     props = torch.cuda.get_device_properties(0)
     meta = {"gpu": props.name, "commit": git_commit(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": triton.__version__ if triton else None, "l2_bytes": props.L2_cache_size,
             "sms": props.multi_processor_count, "tokens": args.tokens,
+            "decode_fused": not args.no_decode_fused,
             "previous": args.previous}
     print(f"{meta['gpu']}: measuring ceilings", flush=True)
     meta["ceilings"] = measure_ceilings()

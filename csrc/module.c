@@ -10,6 +10,7 @@
  *     def register_torch(tensor_type, empty, stream): ...
  *     def has_exchange_api() -> bool: ...
  *     def cuda_device_count() -> int: ...   # 0 in a CPU-only build
+ *     def _set_decode_fused(enabled) -> bool: ...   # the one-launch decode path
  *     built_with_cuda: bool
  */
 #include "glue.h"
@@ -89,6 +90,19 @@ static PyObject *cuda_device_count(PyObject *module, PyObject *unused)
 #endif
 }
 
+static PyObject *set_decode_fused(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    const int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0)
+        return NULL;
+#ifdef MOE_EXT_WITH_CUDA
+    return PyBool_FromLong(mx_cuda_set_decode_fused(enabled));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef module_methods[] = {
     {"register_torch", register_torch, METH_VARARGS,
      "register_torch(tensor_type, empty, stream, exchange_api=True): hand over the tensor "
@@ -97,6 +111,9 @@ static PyMethodDef module_methods[] = {
      "Whether tensors come in through the DLPack C exchange API (else __dlpack__)."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "Number of CUDA devices the CUDA engine sees (0 without CUDA)."},
+    {"_set_decode_fused", set_decode_fused, METH_O,
+     "_set_decode_fused(enabled) -> previous: whether the CUDA engine may run a few-token forward "
+     "as one launch (tests and benchmarks)."},
     {"route", (PyCFunction)(void (*)(void))mx_py_route, METH_VARARGS | METH_KEYWORDS,
      "route(router_logits, top_k, ...) -> (topk_weights float32, topk_ids int32)."},
     {"experts", (PyCFunction)(void (*)(void))mx_py_experts, METH_VARARGS | METH_KEYWORDS,

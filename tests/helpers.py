@@ -1,4 +1,6 @@
 """Input builders shared by the tests: random tensors from a generator, weights, loaded layers."""
+import contextlib
+
 import torch
 
 import moe_ext
@@ -65,6 +67,17 @@ def kernels_of(fn):
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@contextlib.contextmanager
+def decode_fused(enabled):
+    """Within the block the CUDA engine may (True) or may not (False) run a few-token forward as
+    one launch (csrc/cuda/decode_fused.cu); the setting is restored after."""
+    previous = moe_ext._C._set_decode_fused(enabled)
+    try:
+        yield
+    finally:
+        moe_ext._C._set_decode_fused(previous)
 
 
 def on_hopper():

@@ -5,10 +5,19 @@ the persistent kernel from 64 rows per expert, the decode kernel (operands swapp
 import pytest
 import torch
 
-from helpers import capture_forward, kernels_of, on_hopper, randn
+from helpers import capture_forward, decode_fused, kernels_of, on_hopper, randn
 from test_gpu import CONFIGS, check, cuda_case
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _pipeline_kernels():
+    """These tests check the multi-launch pipeline's kernels: the one-launch decode forward
+    (test_gpu_decode_fused.py) stays off."""
+    with decode_fused(False):
+        yield
+
 
 PREFILL = [c for c in CONFIGS if c[0] != "grouped-sigmoid-bias"]
 DECODE_KERNEL = "grouped_gemm_sm90_decode_kernel"

@@ -7,7 +7,9 @@
  *   w13_bias [E_local, N1], w2_bias [E_local, H], topk_weights f32 [M, k],
  *   topk_ids i32 [M, k], expert_map i32 [E_global] -> out [M, H].
  *
- * Launches, in stream order (no host synchronization, no allocation):
+ * At one or two tokens one launch does it all (decode_fused.cu, where
+ * mx_cuda_decode_fused_usable). Otherwise launches, in stream order (no host
+ * synchronization, no allocation):
  *   0. route_kernel            only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
  *                              (route_align_kernel: routing and this in one launch, M <= 32)
@@ -137,7 +139,10 @@ extern "C" size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p)
     experts_plan with_tma, without;
     make_plan(p, 1, &with_tma);
     make_plan(p, 0, &without);
-    return with_tma.total_bytes > without.total_bytes ? with_tma.total_bytes : without.total_bytes;
+    size_t bytes = mx_cuda_decode_fused_workspace_bytes(p);
+    if (with_tma.total_bytes > bytes)
+        bytes = with_tma.total_bytes;
+    return without.total_bytes > bytes ? without.total_bytes : bytes;
 }
 
 extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *stream_ptr)
@@ -149,6 +154,8 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
         return st;
     if (p->quant != MX_QUANT_NONE)
         return mx_cuda_experts_fp8(p, workspace, static_cast<cudaStream_t>(stream_ptr));
+    if (mx_cuda_decode_fused_usable(p))
+        return mx_cuda_decode_fused(p, workspace, static_cast<cudaStream_t>(stream_ptr));
 
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     experts_plan plan;

@@ -120,6 +120,14 @@ mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits
                           int64_t hidden, int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
                           cudaStream_t stream);
 
+/* decode_fused.cu: the whole forward in one cooperative launch at one or
+ * two tokens with 16-bit weights; usable() says whether p fits it (quant,
+ * M, shape, alignment, device), workspace_bytes() what it needs of the
+ * workspace. */
+int mx_cuda_decode_fused_usable(const mx_experts_problem *p);
+size_t mx_cuda_decode_fused_workspace_bytes(const mx_experts_problem *p);
+mx_status mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace, cudaStream_t stream);
+
 /* experts_fp8.cu: the FP8 w8a8 pipeline, taken by mx_cuda_experts when
  * p->quant != MX_QUANT_NONE (after the common checks of experts.cu). Same
  * align / scale-input / sum stages; quantizers in fp8_quant.cu, GEMMs in

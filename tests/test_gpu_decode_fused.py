@@ -1,0 +1,150 @@
+"""The one-launch decode forward (csrc/cuda/decode_fused.cu): one or two tokens, 16-bit weights
+with 16-byte rows. Each test checks that exactly one kernel, decode_fused_kernel, ran (on Hopper),
+and compares with the float64 reference and with the multi-launch pipeline
+(moe_ext._C._set_decode_fused(False)). H and I are not multiples of a lane step's 512 bytes, so
+the k tails run."""
+import pytest
+import torch
+
+import moe_ext
+from moe_ext import _C
+from helpers import capture_forward, decode_fused, expert_weights, kernels_of, on_hopper, randn
+import reference as ref
+from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS
+from test_gpu import CONFIGS, check, cuda_case
+from test_gpu_fp8_sm90 import loaded
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
+
+FUSED = "decode_fused_kernel"
+
+
+def only_fused(fn):
+    """fn's kernels are the fused kernel alone (on Hopper), or none of it elsewhere."""
+    names = kernels_of(fn)
+    if on_hopper():
+        assert len(names) == 1 and FUSED in names[0], f"expected one {FUSED} launch: {names}"
+    else:
+        assert not any(FUSED in n for n in names), names
+
+
+def pipeline_out(fn):
+    with decode_fused(False):
+        names = kernels_of(fn)
+        assert not any(FUSED in n for n in names), names
+        return fn()
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_fused_matches_reference(cfg, dtype, m, gen):
+    _, e, k, kw, corr = cfg
+    layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=264, i=200)
+    x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
+    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    want, margin = reference(x, logits)
+    check(out, want, margin, dtype)
+    check(out, pipeline_out(lambda: layer(x, logits)).double(), margin, dtype)
+    only_fused(lambda: layer(x, logits))
+
+
+def test_three_tokens_take_the_pipeline(gen):
+    layer, _, reference = cuda_case(gen, torch.bfloat16, 12, dict(top_k=3), False, h=264, i=200)
+    x = randn(gen, 3, 264, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, 3, 12, device="cuda", scale=2.0)
+    names = kernels_of(lambda: layer(x, logits))
+    assert len(names) > 1 and not any(FUSED in n for n in names), names
+    want, margin = reference(x, logits)
+    check(layer(x, logits), want, margin, torch.bfloat16)
+    only_fused(lambda: layer(x[:2], logits[:2]))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_weights_take_the_pipeline(method, gen):
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, 9, 3, 400, 208, FP8_CONFIGS[0])
+    x = randn(gen, 1, 400, dtype=torch.bfloat16, device="cuda")
+    names = kernels_of(lambda: layer(x, randn(gen, 1, 9, device="cuda")))
+    assert len(names) > 1 and not any(FUSED in n for n in names), names
+
+
+def test_unaligned_rows_take_the_pipeline(gen):
+    layer, _, _ = cuda_case(gen, torch.bfloat16, 12, dict(top_k=3), False, h=260, i=200)
+    x = randn(gen, 2, 260, dtype=torch.bfloat16, device="cuda")
+    names = kernels_of(lambda: layer(x, randn(gen, 2, 12, device="cuda")))
+    assert not any(FUSED in n for n in names), names
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_fused_graph_replay(m, gen):
+    e, k, h, i = 6, 2, 256, 192
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(top_k=k), False, h=h, i=i)
+    static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
+    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
+    for scale in (0.3, 3.0):
+        x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
+        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, margin = reference(x, logits)
+        check(static_out, want, margin, torch.bfloat16)
+
+
+def test_nan_in_x_propagates_to_its_token_only(gen):
+    e, k, h, i = 6, 2, 256, 192
+    layer, _, _ = cuda_case(gen, torch.bfloat16, e, dict(top_k=k), False, h=h, i=i)
+    x = randn(gen, 2, h, dtype=torch.bfloat16, device="cuda")
+    x[1, 17] = float("nan")
+    logits = randn(gen, 2, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert out[1].isnan().all() and torch.isfinite(out[0]).all()
+    assert torch.equal(out.isnan(), pipeline_out(lambda: layer(x, logits)).isnan())
+
+
+def test_out_of_range_and_foreign_ids_contribute_nothing(gen):
+    e, k, h, i, m = 7, 3, 264, 200, 2
+    w = expert_weights(gen, e, h, i, dtype=torch.bfloat16, device="cuda")
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    tw, ids, _ = ref.route(randn(gen, m, e, device="cuda", scale=2.0), k)
+    ids = ids.to(torch.int32)
+    bad = torch.zeros(m, k, dtype=torch.bool, device="cuda")
+    bad[0, 0] = bad[1, 2] = bad[1, 1] = True
+    ids = torch.where(bad, torch.tensor([e, -1, 1 << 20], dtype=torch.int32, device="cuda").repeat(m, 1)[:, :k],
+                      ids)
+    tw32 = tw.float()
+    run = lambda: moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], tw32, ids)
+    out = run()
+    clean_w = torch.where(bad, torch.zeros_like(tw), tw)
+    clean_ids = torch.where(bad, torch.zeros_like(ids), ids)
+    want = ref.experts(x, w["w13_weight"], w["w2_weight"], clean_w, clean_ids, act_dtype=torch.bfloat16)
+    check(out, want, torch.ones(m), torch.bfloat16)
+    only_fused(run)
+
+
+def test_router_weight_on_input(gen):
+    e, h, i, m = 5, 264, 200, 2
+    w = expert_weights(gen, e, h, i, dtype=torch.bfloat16, device="cuda")
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    tw, ids, _ = ref.route(randn(gen, m, e, device="cuda", scale=2.0), 1)
+    ids = ids.to(torch.int32)
+    tw32 = tw.float()
+    run = lambda: moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], tw32, ids,
+                                        apply_router_weight_on_input=True)
+    out = run()
+    want = ref.experts(x, w["w13_weight"], w["w2_weight"], tw, ids, apply_router_weight_on_input=True,
+                       act_dtype=torch.bfloat16)
+    check(out, want, torch.ones(m), torch.bfloat16)
+    assert torch.equal(out, pipeline_out(run)), "x * w is rounded as moe_scale_input rounds it"
+    only_fused(run)
+
+
+def test_set_decode_fused_returns_the_previous_setting():
+    assert _C._set_decode_fused(False) is True
+    assert _C._set_decode_fused(True) is False
+    assert _C._set_decode_fused(True) is True
