@@ -1,8 +1,9 @@
-"""The one-launch decode forward (csrc/cuda/decode_fused.cu): one or two tokens, 16-bit weights
-with 16-byte rows. Each test checks that exactly one kernel, decode_fused_kernel, ran (on Hopper),
-and compares with the float64 reference and with the multi-launch pipeline
-(moe_ext._C._set_decode_fused(False)). H and I are not multiples of a lane step's 512 bytes, so
-the k tails run."""
+"""The one-launch decode forward (csrc/cuda/decode_fused.cu): one or two tokens with 16-bit
+weights (16-byte rows), one token with gated FP8 weights (H, I multiples of 128). Each test checks
+that exactly one kernel, decode_fused_kernel, ran (on Hopper), and compares with the float64
+reference and with the multi-launch pipeline (moe_ext._C._set_decode_fused(False)). The 16-bit
+H and I are not multiples of a lane step's 512 bytes, so the k tails run; the FP8 I = 384 is not
+a multiple of 256, so a K split over warps gets uneven block counts."""
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from helpers import capture_forward, decode_fused, expert_weights, kernels_of, o
 import reference as ref
 from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS
 from test_gpu import CONFIGS, check, cuda_case
-from test_gpu_fp8_sm90 import loaded
+from test_gpu_fp8_sm90 import compare_tensor, loaded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
 
@@ -62,12 +63,59 @@ def test_three_tokens_take_the_pipeline(gen):
     only_fused(lambda: layer(x[:2], logits[:2]))
 
 
+FP8_GATED = [c for c in FP8_CONFIGS if c[3] and not c[4]]  # gate rows then up rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", FP8_GATED, ids=[c[0] for c in FP8_GATED])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_weights_take_the_pipeline(method, gen):
-    layer = loaded(gen, "mixtral", method, torch.bfloat16, 9, 3, 400, 208, FP8_CONFIGS[0])
-    x = randn(gen, 1, 400, dtype=torch.bfloat16, device="cuda")
-    names = kernels_of(lambda: layer(x, randn(gen, 1, 9, device="cuda")))
+def test_fused_fp8_matches_reference(method, cfg, dtype, gen):
+    e, k, h, i = 9, 3, 256, 384
+    layer = loaded(gen, "mixtral", method, dtype, e, k, h, i, cfg)
+    x = randn(gen, 1, h, dtype=dtype, device="cuda")
+    logits = randn(gen, 1, e, device="cuda", scale=2.0)
+    out = layer(x, logits)
+    assert torch.equal(out, layer(x, logits)), "the forward must be deterministic"
+    compare_tensor(layer, out, x, logits, cfg, f"fused fp8 {method}")
+    compare_tensor(layer, pipeline_out(lambda: layer(x, logits)), x, logits, cfg, "pipeline")
+    only_fused(lambda: layer(x, logits))
+
+
+@pytest.mark.parametrize("case", ["two tokens", "swigluoai", "h % 128", "h > 2048"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_other_fp8_layers_take_the_pipeline(method, case, gen):
+    cfg = FP8_CONFIGS[2] if case == "swigluoai" else FP8_CONFIGS[0]
+    h = {"h % 128": 400, "h > 2048": 2176}.get(case, 256)
+    m = 2 if case == "two tokens" else 1
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, 9, 3, h, 256, cfg)
+    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, m, 9, device="cuda", scale=2.0)
+    names = kernels_of(lambda: layer(x, logits))
     assert len(names) > 1 and not any(FUSED in n for n in names), names
+    compare_tensor(layer, layer(x, logits), x, logits, cfg, f"pipeline fp8 {method} {case}")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fused_fp8_graph_replay_and_nan(method, gen):
+    e, k, h, i = 6, 2, 256, 256
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, FP8_CONFIGS[0])
+    static_x = randn(gen, 1, h, dtype=torch.bfloat16, device="cuda")
+    static_logits = randn(gen, 1, e, device="cuda", scale=2.0)
+    graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
+    for scale in (0.3, 3.0):
+        x = randn(gen, 1, h, dtype=torch.bfloat16, device="cuda", scale=scale)
+        logits = randn(gen, 1, e, device="cuda", scale=2.0)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        compare_tensor(layer, static_out, x, logits, FP8_CONFIGS[0], f"fused fp8 {method} graph replay")
+    static_x[0, 5] = float("nan")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert static_out.isnan().all()
+    assert torch.equal(static_out.isnan(), pipeline_out(lambda: layer(static_x, static_logits)).isnan())
 
 
 def test_unaligned_rows_take_the_pipeline(gen):

@@ -8,7 +8,7 @@
  *   topk_ids i32 [M, k], expert_map i32 [E_global] -> out [M, H].
  *
  * At one or two tokens one launch does it all (decode_fused.cu, where
- * mx_cuda_decode_fused_usable). Otherwise launches, in stream order (no host
+ * mx_cuda_decode_fused_usable; FP8 takes it in mx_cuda_experts_fp8). Otherwise launches, in stream order (no host
  * synchronization, no allocation):
  *   0. route_kernel            only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
@@ -134,12 +134,14 @@ extern "C" size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p)
 {
     if (p->num_tokens <= 0 || p->top_k < 1 || p->num_local_experts < 1)
         return 0;
-    if (p->quant != MX_QUANT_NONE)
-        return mx_cuda_experts_fp8_workspace_bytes(p);
+    size_t bytes = mx_cuda_decode_fused_workspace_bytes(p);
+    if (p->quant != MX_QUANT_NONE) {
+        const size_t fp8 = mx_cuda_experts_fp8_workspace_bytes(p);
+        return fp8 > bytes ? fp8 : bytes;
+    }
     experts_plan with_tma, without;
     make_plan(p, 1, &with_tma);
     make_plan(p, 0, &without);
-    size_t bytes = mx_cuda_decode_fused_workspace_bytes(p);
     if (with_tma.total_bytes > bytes)
         bytes = with_tma.total_bytes;
     return without.total_bytes > bytes ? without.total_bytes : bytes;

@@ -121,9 +121,8 @@ mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits
                           cudaStream_t stream);
 
 /* decode_fused.cu: the whole forward in one cooperative launch at one or
- * two tokens with 16-bit weights; usable() says whether p fits it (quant,
- * M, shape, alignment, device), workspace_bytes() what it needs of the
- * workspace. */
+ * two tokens (FP8: one); usable() says whether p fits it (quant, M, shape,
+ * alignment, device), workspace_bytes() what it needs of the workspace. */
 int mx_cuda_decode_fused_usable(const mx_experts_problem *p);
 size_t mx_cuda_decode_fused_workspace_bytes(const mx_experts_problem *p);
 mx_status mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace, cudaStream_t stream);

@@ -8,7 +8,9 @@
  *               H/128, I/128] (ceil); activations per token and 128 columns
  * topk_weights f32 [M, k], topk_ids i32 [M, k], expert_map -> out [M, H].
  *
- * Launches, in stream order (no host synchronization, no allocation):
+ * At one token with gated weights in whole 128-wide blocks one launch does
+ * it all (decode_fused.cu, where mx_cuda_decode_fused_usable). Otherwise
+ * launches, in stream order (no host synchronization, no allocation):
  *   0. route_kernel             only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel         pairs -> expert segments padded to block_m, tile table
  *                               (route_align_kernel: routing and this in one launch, M <= 32)
@@ -160,6 +162,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): unknown quant %d", (int)p->quant);
     if (!p->w13_scale || !p->w2_scale)
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): FP8 weights need w13_scale and w2_scale");
+    if (mx_cuda_decode_fused_usable(p))
+        return mx_cuda_decode_fused(p, workspace, stream);
     const int64_t M = p->num_tokens, H = p->hidden_size, I = p->intermediate_size;
     const bool block = p->quant == MX_QUANT_FP8_BLOCK;
     const int aligned1 = H % 16 == 0 && mx_aligned16(p->w13);

@@ -247,7 +247,7 @@ mx_status mx_cuda_route(const mx_routing_problem *p, void *stream);
 size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p);
 /* Out-of-range ids contribute nothing on the GPU (no host sync to report them). */
 mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *stream);
-/* Whether mx_cuda_experts may run a one- or two-token forward as one launch
+/* Whether mx_cuda_experts may run a decode forward (M <= 2) as one launch
  * (csrc/cuda/decode_fused.cu; on by default); returns the previous setting.
  * For tests and benchmarks that compare it with the multi-launch pipeline. */
 int mx_cuda_set_decode_fused(int enabled);

@@ -1,0 +1,193 @@
+/* The 16-bit phases of the one-launch decode forward (decode_fused.cu):
+ * one or two tokens, the dot products on the CUDA cores (phases 1, 2, 4, 5
+ * of decode_fused.cu's header). */
+#ifndef MOE_EXT_CUDA_DECODE_FUSED_16BIT_CUH
+#define MOE_EXT_CUDA_DECODE_FUSED_16BIT_CUH
+
+#include "decode_fused.cuh"
+
+namespace {
+
+/* acc + the dot product of 16 bytes of T (8 elements) from w and a */
+template <typename T> __device__ __forceinline__ float dot8(uint4 w, uint4 a, float acc)
+{
+    const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 p = mx_unpack2<T>(wv[i]), q = mx_unpack2<T>(av[i]);
+        acc = fmaf(p.y, q.y, fmaf(p.x, q.x, acc));
+    }
+    return acc;
+}
+
+/* Lane sums of two weight rows (w0, w1: kbytes each, global) against rows
+ * a0, a1 (shared memory): 16 bytes a lane per step, kUnroll steps of both
+ * rows loaded before any is used. */
+template <typename T>
+__device__ __forceinline__ void dot_rows(const uint8_t *w0, const uint8_t *w1, const uint8_t *a0, const uint8_t *a1,
+                                         int kbytes, int lane, float &acc0, float &acc1)
+{
+    for (int base = lane * 16; base < kbytes; base += kChunk * kUnroll) {
+        uint4 r0[kUnroll], r1[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int off = base + u * kChunk;
+            if (off < kbytes) {
+                r0[u] = ld_stream16(w0 + off);
+                r1[u] = ld_stream16(w1 + off);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int off = base + u * kChunk;
+            if (off >= kbytes)
+                break;
+            acc0 = dot8<T>(r0[u], *reinterpret_cast<const uint4 *>(a0 + off), acc0);
+            acc1 = dot8<T>(r1[u], *reinterpret_cast<const uint4 *>(a1 + off), acc1);
+        }
+    }
+}
+
+
+/* Phase 1: the x rows, one per token (two elements a thread and step). */
+template <typename T> __device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_head &hd, uint8_t *ops)
+{
+    const T *x = static_cast<const T *>(a.x);
+    const int64_t half = a.H / 2;
+    for (int64_t i = threadIdx.x; i < a.M * half; i += kThreads) {
+        const int t = static_cast<int>(i / half);
+        const int64_t c = (i - t * half) * 2;
+        float v0 = mx_to_float(x[t * a.H + c]), v1 = mx_to_float(x[t * a.H + c + 1]);
+        if (a.weight_on_input) {
+            const float w = mx_to_float(mx_from_float<T>(hd.weights[t * a.top_k]));
+            v0 *= w;
+            v1 *= w;
+        }
+        *reinterpret_cast<uint32_t *>(ops + (t * a.H + c) * sizeof(T)) = mx_pack2<T>(v0, v1);
+    }
+    __syncthreads();
+}
+
+/* GEMM1 unit u: slot index v (slowest), act column c, weight rows r0 / r1
+ * (gate / up, or two columns of a non-gated w13). */
+struct gemm1_unit {
+    int v, e, c, r0, r1;
+    __device__ __forceinline__ gemm1_unit(const fused_args &a, const fused_head &hd, int u, int cols)
+    {
+        v = u / cols;
+        c = u - v * cols;
+        e = hd.slot_e[hd.valid[v]];
+        if (a.kind == MX_GEMM_GATE_UP) {
+            r0 = c;
+            r1 = static_cast<int>(a.I) + c;
+        } else {
+            r0 = 2 * c;
+            r1 = 2 * c + 1 < a.n1 ? 2 * c + 1 : r0;
+        }
+    }
+};
+
+/* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace. */
+template <typename T> __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
+{
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+    const int cols = static_cast<int>(a.kind == MX_GEMM_UP ? (a.I + 1) / 2 : a.I), units = hd.nvalid * cols;
+    const int hbytes = static_cast<int>(a.H * sizeof(T));
+    const T *bias = static_cast<const T *>(a.b13);
+    T *act = static_cast<T *>(a.act);
+    for (int u = gw; u < units; u += nw) {
+        const gemm1_unit n(a, hd, u, cols);
+        const uint8_t *w = static_cast<const uint8_t *>(a.w13) + n.e * a.n1 * hbytes;
+        const uint8_t *xr = ops + static_cast<int64_t>(hd.valid[n.v] / a.top_k) * hbytes;
+        float acc0 = 0.0f, acc1 = 0.0f;
+        dot_rows<T>(w + static_cast<int64_t>(n.r0) * hbytes, w + static_cast<int64_t>(n.r1) * hbytes, xr, xr, hbytes,
+                    lane, acc0, acc1);
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane != 0)
+            continue;
+        if (bias) {
+            acc0 += mx_to_float(bias[n.e * a.n1 + n.r0]);
+            acc1 += mx_to_float(bias[n.e * a.n1 + n.r1]);
+        }
+        T *dst = act + n.v * a.I;
+        if (a.kind == MX_GEMM_UP) {
+            dst[n.r0] = mx_from_float<T>(mx_act_plain(a.activation, acc0));
+            if (n.r1 != n.r0)
+                dst[n.r1] = mx_from_float<T>(mx_act_plain(a.activation, acc1));
+        } else {
+            dst[n.c] = mx_from_float<T>(mx_act_gated(a.activation, acc0, acc1, a.alpha, a.limit));
+        }
+    }
+}
+
+
+/* GEMM2 rows of this CTA: [h0, h1) */
+__device__ __forceinline__ void cta_rows(const fused_args &a, int64_t &h0, int64_t &h1)
+{
+    h0 = a.H * blockIdx.x / gridDim.x;
+    h1 = a.H * (blockIdx.x + 1) / gridDim.x;
+}
+
+
+/* Phase 4: act rows into shared memory (written by other CTAs: L2 loads). */
+template <typename T> __device__ __forceinline__ void fused_stage_act(const fused_args &a, const fused_head &hd, uint8_t *ops)
+{
+    const uint4 *act = static_cast<const uint4 *>(a.act);
+    const int64_t n16 = hd.nvalid * a.I * static_cast<int64_t>(sizeof(T)) / 16;
+    for (int64_t i = threadIdx.x; i < n16; i += kThreads)
+        reinterpret_cast<uint4 *>(ops)[i] = __ldcg(act + i);
+    __syncthreads();
+}
+
+/* Phase 5: GEMM2 of the CTA's rows, then the top-k sum into out. A warp
+ * takes items i and i + kWarps (item: slot v = i / nrows, row h0 + i %
+ * nrows) together. */
+template <typename T>
+__device__ __forceinline__ void fused_gemm2(const fused_args &a, const fused_head &hd, const uint8_t *ops, float *ys)
+{
+    int64_t h0, h1;
+    cta_rows(a, h0, h1);
+    const int nrows = static_cast<int>(h1 - h0), items = hd.nvalid * nrows;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ibytes = static_cast<int>(a.I * sizeof(T));
+    const uint8_t *w2 = static_cast<const uint8_t *>(a.w2);
+    for (int i0 = warp; i0 < items; i0 += 2 * kWarps) {
+        const int i1 = i0 + kWarps < items ? i0 + kWarps : i0;
+        const int v0 = i0 / nrows, v1 = i1 / nrows;
+        const int64_t g0 = h0 + (i0 - v0 * nrows), g1 = h0 + (i1 - v1 * nrows);
+        const int e0 = hd.slot_e[hd.valid[v0]], e1 = hd.slot_e[hd.valid[v1]];
+        float acc0 = 0.0f, acc1 = 0.0f;
+        dot_rows<T>(w2 + (e0 * a.H + g0) * ibytes, w2 + (e1 * a.H + g1) * ibytes, ops + v0 * ibytes,
+                    ops + v1 * ibytes, ibytes, lane, acc0, acc1);
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            ys[v0 * a.rows_max + (g0 - h0)] = acc0;
+            ys[v1 * a.rows_max + (g1 - h0)] = acc1;
+        }
+    }
+    __syncthreads();
+    const T *bias = static_cast<const T *>(a.b2);
+    T *out = static_cast<T *>(a.out);
+    for (int64_t i = threadIdx.x; i < a.M * nrows; i += kThreads) {
+        const int t = static_cast<int>(i / nrows);
+        const int64_t h = h0 + (i - t * nrows);
+        float sum = 0.0f;
+        for (int j = 0; j < a.top_k; ++j) {
+            const int p = t * a.top_k + j, e = hd.slot_e[p];
+            if (e < 0)
+                continue;
+            float y = ys[hd.vq[p] * a.rows_max + (h - h0)];
+            if (bias)
+                y += mx_to_float(bias[e * a.H + h]);
+            sum += __fmul_rn(y, a.weight_on_input ? 1.0f : hd.weights[p]);
+        }
+        out[t * a.H + h] = mx_from_float<T>(sum);
+    }
+}
+
+} /* namespace */
+
+#endif /* MOE_EXT_CUDA_DECODE_FUSED_16BIT_CUH */
