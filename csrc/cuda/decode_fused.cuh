@@ -53,7 +53,6 @@ struct fused_head {
     float x_scale, act_scale; /* FP8 per tensor */
 };
 
-
 __device__ __forceinline__ uint4 ld_stream16(const uint8_t *p)
 {
     uint4 v;
@@ -69,7 +68,6 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
-
 
 /* Phase 0: routing (or the caller's ids) and the local slots. */
 __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd, float *rows)
@@ -117,7 +115,6 @@ __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd,
     }
     __syncthreads();
 }
-
 
 /* Phase 3a: the CTA's first GEMM2 weight rows [row0, row0 + rows) of each
  * local slot (contiguous, ibytes a row) into L2, kPrefetchPerCta bytes at

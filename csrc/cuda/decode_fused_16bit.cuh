@@ -48,7 +48,6 @@ __device__ __forceinline__ void dot_rows(const uint8_t *w0, const uint8_t *w1, c
     }
 }
 
-
 /* Phase 1: the x rows, one per token (two elements a thread and step). */
 template <typename T> __device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_head &hd, uint8_t *ops)
 {
@@ -122,14 +121,12 @@ template <typename T> __device__ __forceinline__ void fused_gemm1(const fused_ar
     }
 }
 
-
 /* GEMM2 rows of this CTA: [h0, h1) */
 __device__ __forceinline__ void cta_rows(const fused_args &a, int64_t &h0, int64_t &h1)
 {
     h0 = a.H * blockIdx.x / gridDim.x;
     h1 = a.H * (blockIdx.x + 1) / gridDim.x;
 }
-
 
 /* Phase 4: act rows into shared memory (written by other CTAs: L2 loads). */
 template <typename T> __device__ __forceinline__ void fused_stage_act(const fused_args &a, const fused_head &hd, uint8_t *ops)

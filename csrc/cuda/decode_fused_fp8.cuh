@@ -118,8 +118,9 @@ __device__ __forceinline__ void quant_tensor(int nrows, int64_t cols, uint8_t *o
     }
 }
 
-/* Phase 1 (FP8): the token's x row quantized as the x quantizers do it (per
- * tensor only when the token has a local slot: the pipeline's row filter). */
+/* Phase 1 (FP8): the token's x row quantized as the x quantizers do it (a
+ * token without a local slot has no GEMM1 units, so the pipeline's row
+ * filter changes nothing at one token). */
 template <typename T, int Q>
 __device__ __forceinline__ void fused_stage_x_fp8(const fused_args &a, fused_head &hd, uint8_t *ops, float *xsc)
 {
