@@ -99,9 +99,11 @@ size_t fused_plan(const mx_experts_problem *p, int grid, fused_layout *l)
     size_t at = 0;
     mx_ws_take(&at, sizeof(fused_head));
     l->off_ops = mx_ws_take(&at, static_cast<size_t>(ops));
-    l->off_ys = mx_ws_take(&at, fp8 ? sizeof(float) * 16 * kWarps : sizeof(float) * static_cast<size_t>(pairs * l->rows_max));
+    l->off_ys = mx_ws_take(&at, fp8 ? sizeof(float) * 16 * kWarps
+                                    : sizeof(float) * static_cast<size_t>(pairs * l->rows_max));
     l->off_xsc = mx_ws_take(&at, fp8 ? sizeof(float) * static_cast<size_t>(p->hidden_size / kFp8Block) : 0);
-    l->off_asc = mx_ws_take(&at, fp8 ? sizeof(float) * static_cast<size_t>(pairs * p->intermediate_size / kFp8Block) : 0);
+    l->off_asc =
+        mx_ws_take(&at, fp8 ? sizeof(float) * static_cast<size_t>(pairs * p->intermediate_size / kFp8Block) : 0);
     l->smem = at;
     return at <= kMaxSmem ? at : 0;
 }
@@ -183,9 +185,9 @@ extern "C" int mx_cuda_decode_fused_usable(const mx_experts_problem *p)
     if (H % 8 != 0 || I % 8 != 0 || !mx_aligned16(p->hidden_states) || !mx_aligned16(p->w13) || !mx_aligned16(p->w2))
         return 0;
     /* FP8: one token, gated (gate rows then up rows), whole 128-wide blocks, at most 16 slots (a warp each),
-     * H <= kFp8MaxHidden: GEMM1's rounds (a K split over 8 warps, two CTA barriers) won at qwen3moe's
-     * H = 2048 (-14% fp8_block, -1% fp8_tensor at M = 1) and lost at Mixtral's 4096 and DeepSeek-V3's
-     * 7168 (+1..13%; H100, benchmarks/NOTES.md "One launch at decode") */
+     * H <= kFp8MaxHidden: the FP8 path won at qwen3moe's H = 2048 (-14% fp8_block, -1% fp8_tensor at
+     * M = 1) and lost at Mixtral's 4096 and DeepSeek-V3's 7168 (+1..13%; H100, benchmarks/NOTES.md
+     * "One launch at decode") */
     if (p->quant != MX_QUANT_NONE &&
         (M != 1 || !p->is_act_and_mul || p->activation == MX_ACT_SWIGLUOAI || p->apply_router_weight_on_input ||
          H % kFp8Block != 0 || I % kFp8Block != 0 || H > kFp8MaxHidden || p->top_k > kWarps || !p->w13_scale ||
@@ -263,7 +265,8 @@ extern "C" mx_status mx_cuda_decode_fused(const mx_experts_problem *p, void *wor
     const bool bf16 = p->act_dtype == MX_BF16;
     switch (p->quant) {
     case MX_QUANT_NONE:
-        return bf16 ? launch<__nv_bfloat16, Q_NONE>(a, l.smem, grid, stream) : launch<__half, Q_NONE>(a, l.smem, grid, stream);
+        return bf16 ? launch<__nv_bfloat16, Q_NONE>(a, l.smem, grid, stream)
+                    : launch<__half, Q_NONE>(a, l.smem, grid, stream);
     case MX_QUANT_FP8_TENSOR:
         return bf16 ? launch<__nv_bfloat16, Q_TENSOR>(a, l.smem, grid, stream)
                     : launch<__half, Q_TENSOR>(a, l.smem, grid, stream);

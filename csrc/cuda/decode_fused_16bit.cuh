@@ -49,7 +49,8 @@ __device__ __forceinline__ void dot_rows(const uint8_t *w0, const uint8_t *w1, c
 }
 
 /* Phase 1: the x rows, one per token (two elements a thread and step). */
-template <typename T> __device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_head &hd, uint8_t *ops)
+template <typename T>
+__device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_head &hd, uint8_t *ops)
 {
     const T *x = static_cast<const T *>(a.x);
     const int64_t half = a.H / 2;
@@ -87,7 +88,8 @@ struct gemm1_unit {
 };
 
 /* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace. */
-template <typename T> __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
+template <typename T>
+__device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
 {
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
@@ -129,7 +131,8 @@ __device__ __forceinline__ void cta_rows(const fused_args &a, int64_t &h0, int64
 }
 
 /* Phase 4: act rows into shared memory (written by other CTAs: L2 loads). */
-template <typename T> __device__ __forceinline__ void fused_stage_act(const fused_args &a, const fused_head &hd, uint8_t *ops)
+template <typename T>
+__device__ __forceinline__ void fused_stage_act(const fused_args &a, const fused_head &hd, uint8_t *ops)
 {
     const uint4 *act = static_cast<const uint4 *>(a.act);
     const int64_t n16 = hd.nvalid * a.I * static_cast<int64_t>(sizeof(T)) / 16;

@@ -245,7 +245,8 @@ __device__ __forceinline__ void fused_gemm2_fp8(const fused_args &a, const fused
                                                 const float *asc, float *red)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const int nv = hd.nvalid, per = nv > 0 ? kWarps / nv : 0, v = per > 0 ? warp / per : 0, slice = per > 0 ? warp % per : 0;
+    const int nv = hd.nvalid, per = nv > 0 ? kWarps / nv : 0; /* warps a slot */
+    const int v = per > 0 ? warp / per : 0, slice = per > 0 ? warp % per : 0;
     const int kblocks = static_cast<int>(a.I / kFp8Block), hb = static_cast<int>(a.H / kFp8Block);
     const T *bias = static_cast<const T *>(a.b2);
     T *out = static_cast<T *>(a.out);
