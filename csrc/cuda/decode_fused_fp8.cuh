@@ -11,7 +11,9 @@
 namespace {
 
 /* c += a (16 x 32 e4m3, row) * b (32 x 8 e4m3, col), float32 (sm_89+; the
- * host takes this path on compute capability 9.0 only) */
+ * host takes this path on compute capability 9.0 only, where ptxas lowers
+ * it to fp8 -> f16 unpacks and f16 MMAs: Hopper runs FP8 natively only
+ * through wgmma) */
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1)
 {
