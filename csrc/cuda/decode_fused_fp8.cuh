@@ -132,7 +132,8 @@ __device__ __forceinline__ void fused_stage_x_fp8(const fused_args &a, fused_hea
         quant_groups(1, a.H, a.H / kFp8Block, ops, a.H, xsc, xv);
     } else {
         float amax = 0.0f;
-        for (int64_t c = threadIdx.x; c < a.H; c += kThreads)
+#pragma unroll 4
+        for (int64_t c = threadIdx.x; c < a.H; c += kThreads) /* the loads issued together */
             amax = mx_amax_step(amax, xv(0, c));
         amax = mx_warp_max(amax);
         if ((threadIdx.x & 31) == 0)
@@ -225,14 +226,17 @@ __device__ __forceinline__ void fused_stage_act_fp8(const fused_args &a, fused_h
     if constexpr (Q == Q_BLOCK) {
         quant_groups(hd.nvalid, a.I, a.I / kFp8Block, ops, a.I, asc, av);
     } else {
-        if (threadIdx.x < 32) {
-            float amax = 0.0f;
-            for (unsigned b = threadIdx.x; b < gridDim.x; b += 32)
-                amax = mx_max_nan(amax, __ldcg(a.amax_parts + b));
-            amax = mx_warp_max(amax);
-            if (threadIdx.x == 0)
-                hd.act_scale = mx_fp8_tensor_scale(amax);
-        }
+        /* every CTA's partial, a thread each (one L2 round trip), into hd.amax_bits, which holds this
+         * CTA's own partial already */
+        float amax = 0.0f;
+        for (unsigned b = threadIdx.x; b < gridDim.x; b += kThreads)
+            amax = mx_max_nan(amax, __ldcg(a.amax_parts + b));
+        amax = mx_warp_max(amax);
+        if ((threadIdx.x & 31) == 0)
+            mx_atomic_amax(&hd.amax_bits, amax);
+        __syncthreads();
+        if (threadIdx.x == 0)
+            hd.act_scale = mx_fp8_tensor_scale(__uint_as_float(hd.amax_bits));
         __syncthreads();
         quant_tensor(hd.nvalid, a.I, ops, a.I, __fdiv_rn(1.0f, hd.act_scale), av);
     }
