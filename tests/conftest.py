@@ -1,4 +1,5 @@
-"""Fixtures: a per-test seeded torch.Generator, the cpu/cuda `device` parametrization."""
+"""Fixtures: a per-test seeded torch.Generator, the cpu/cuda `device` parametrization, the CUDA
+engine held to its multi-launch pipeline (pipeline_only)."""
 import zlib
 
 import pytest
@@ -28,6 +29,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture
+def pipeline_only():
+    """The CUDA engine's multi-launch pipeline at every M: the one-launch decode forward
+    (test_gpu_decode_fused.py) stays off while the test runs."""
+    from helpers import decode_fused
+    with decode_fused(False):
+        yield
 
 
 @pytest.fixture

@@ -69,6 +69,17 @@ def kernels_of(fn):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def replay(graph, static_x, static_logits, x, logits, static_out=None):
+    """Replays a graph of capture_forward on x / logits (copied into its static inputs), with
+    static_out poisoned with NaN first when given, and waits for it."""
+    static_x.copy_(x)
+    static_logits.copy_(logits)
+    if static_out is not None:
+        static_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 @contextlib.contextmanager
 def decode_fused(enabled):
     """Within the block the CUDA engine may (True) or may not (False) run a few-token forward as

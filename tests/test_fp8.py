@@ -6,7 +6,7 @@ import torch
 
 import moe_ext
 from moe_ext import Fp8OnlineConfig, FusedMoE
-from helpers import capture_forward, keep_rows, randn
+from helpers import capture_forward, keep_rows, randn, replay
 import reference as ref
 from test_loading import build_model, checkpoint, vllm_load
 
@@ -657,10 +657,7 @@ def test_fp8_moe_cuda_graph_replay_with_new_inputs(method, gen):
         x = randn(gen, m, H, dtype=torch.bfloat16, device="cuda", scale=float(
             torch.rand(1, generator=gen) * 4 + 0.1))  # a new per-tensor scale each time
         logits = randn(gen, m, E, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static_x, static_logits, x, logits)
         want, margin = fp8_reference(layer, x, logits, "swigluoai")
         compare(static_out, want, margin, FP8_TOL, f"fp8 {method} graph replay")
         assert torch.equal(static_out, layer(x, logits)), "replay differs from eager forward"

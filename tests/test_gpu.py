@@ -4,7 +4,7 @@ import torch
 
 import moe_ext
 from moe_ext import FusedMoE
-from helpers import capture_forward, expert_weights, keep_rows, make_layer, randn
+from helpers import capture_forward, expert_weights, keep_rows, make_layer, randn, replay
 import reference as ref
 from test_loading import build_model, checkpoint, reference_w, vllm_load
 
@@ -74,10 +74,7 @@ def test_cuda_graph_capture_and_replay(cfg, dtype, gen):
     for _ in range(3):
         x = randn(gen, m, layer.hidden_size, dtype=dtype, device="cuda")
         logits = randn(gen, m, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static_x, static_logits, x, logits)
         want, margin = reference(x, logits)
         check(static_out, want, margin, dtype)
 
@@ -229,21 +226,31 @@ def test_fused_moe_cuda_graph(gen):
     check(out, want, margin, torch.bfloat16)
 
 
-def test_out_of_range_ids_contribute_nothing_on_cuda(gen):
-    """abi.h: without a host sync to report them, out-of-range ids contribute nothing on the GPU."""
-    e, k, h, i, m = 7, 3, 67, 45, 33
+def out_of_range_case(gen, e, k, h, i, m, bad_cells, bad_dtype=torch.int64):
+    """bf16 experts whose ids at bad_cells are out of range (e, -1, 2^20 by slot; the ids tensor
+    int32, or int64 after mixing in bad_dtype's): (run, want), run() the forward through
+    moe_ext.fused_experts, want the float64 reference without those slots."""
     w = expert_weights(gen, e, h, i, dtype=torch.bfloat16, device="cuda")
     x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     tw, ids, _ = ref.route(randn(gen, m, e, device="cuda", scale=2.0), k)
     ids = ids.to(torch.int32)
     bad = torch.zeros(m, k, dtype=torch.bool, device="cuda")
-    bad[3, 0] = bad[10, 2] = bad[20, 1] = True
-    ids = torch.where(bad, torch.tensor([e, -1, 1 << 20], device="cuda").repeat(m, 1)[:, :k],
+    for cell in bad_cells:
+        bad[cell] = True
+    ids = torch.where(bad, torch.tensor([e, -1, 1 << 20], dtype=bad_dtype, device="cuda").repeat(m, 1)[:, :k],
                       ids)
-    out = moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], tw.float(), ids)
-    torch.cuda.synchronize()
+    tw32 = tw.float()
     clean_w = torch.where(bad, torch.zeros_like(tw), tw)
     clean_ids = torch.where(bad, torch.zeros_like(ids), ids)
     want = ref.experts(x, w["w13_weight"], w["w2_weight"], clean_w, clean_ids,
                        act_dtype=torch.bfloat16)
+    return (lambda: moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], tw32, ids)), want
+
+
+def test_out_of_range_ids_contribute_nothing_on_cuda(gen):
+    """abi.h: without a host sync to report them, out-of-range ids contribute nothing on the GPU."""
+    m = 33
+    run, want = out_of_range_case(gen, 7, 3, 67, 45, m, [(3, 0), (10, 2), (20, 1)])
+    out = run()
+    torch.cuda.synchronize()
     check(out, want, torch.ones(m), torch.bfloat16)

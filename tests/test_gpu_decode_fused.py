@@ -9,10 +9,10 @@ import torch
 
 import moe_ext
 from moe_ext import _C
-from helpers import capture_forward, decode_fused, expert_weights, kernels_of, on_hopper, randn
+from helpers import capture_forward, decode_fused, expert_weights, kernels_of, on_hopper, randn, replay
 import reference as ref
 from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS
-from test_gpu import CONFIGS, check, cuda_case
+from test_gpu import CONFIGS, check, cuda_case, out_of_range_case
 from test_gpu_fp8_sm90 import compare_tensor, loaded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
@@ -105,11 +105,7 @@ def test_fused_fp8_graph_replay_and_nan(method, gen):
     for scale in (0.3, 3.0):
         x = randn(gen, 1, h, dtype=torch.bfloat16, device="cuda", scale=scale)
         logits = randn(gen, 1, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        static_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static_x, static_logits, x, logits, static_out)
         compare_tensor(layer, static_out, x, logits, FP8_CONFIGS[0], f"fused fp8 {method} graph replay")
     static_x[0, 5] = float("nan")
     graph.replay()
@@ -135,11 +131,7 @@ def test_fused_graph_replay(m, gen):
     for scale in (0.3, 3.0):
         x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
         logits = randn(gen, m, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        static_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static_x, static_logits, x, logits, static_out)
         want, margin = reference(x, logits)
         check(static_out, want, margin, torch.bfloat16)
 
@@ -156,21 +148,9 @@ def test_nan_in_x_propagates_to_its_token_only(gen):
 
 
 def test_out_of_range_and_foreign_ids_contribute_nothing(gen):
-    e, k, h, i, m = 7, 3, 264, 200, 2
-    w = expert_weights(gen, e, h, i, dtype=torch.bfloat16, device="cuda")
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    tw, ids, _ = ref.route(randn(gen, m, e, device="cuda", scale=2.0), k)
-    ids = ids.to(torch.int32)
-    bad = torch.zeros(m, k, dtype=torch.bool, device="cuda")
-    bad[0, 0] = bad[1, 2] = bad[1, 1] = True
-    ids = torch.where(bad, torch.tensor([e, -1, 1 << 20], dtype=torch.int32, device="cuda").repeat(m, 1)[:, :k],
-                      ids)
-    tw32 = tw.float()
-    run = lambda: moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], tw32, ids)
+    m = 2
+    run, want = out_of_range_case(gen, 7, 3, 264, 200, m, [(0, 0), (1, 2), (1, 1)], bad_dtype=torch.int32)
     out = run()
-    clean_w = torch.where(bad, torch.zeros_like(tw), tw)
-    clean_ids = torch.where(bad, torch.zeros_like(ids), ids)
-    want = ref.experts(x, w["w13_weight"], w["w2_weight"], clean_w, clean_ids, act_dtype=torch.bfloat16)
     check(out, want, torch.ones(m), torch.bfloat16)
     only_fused(run)
 

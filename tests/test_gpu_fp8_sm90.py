@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moe_ext
-from helpers import capture_forward, kernels_of, on_hopper, randn
+from helpers import capture_forward, kernels_of, on_hopper, randn, replay
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
 from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
@@ -233,10 +233,7 @@ def test_fp8_graph_replay(method, m, gen):
     for scale in (0.3, 3.0):
         x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
         logits = randn(gen, m, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static_x, static_logits, x, logits)
         compare_tensor(layer, static_out, x, logits, CONFIGS[2], f"fp8 {method} graph replay M={m}")
 
 

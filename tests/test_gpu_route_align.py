@@ -3,18 +3,11 @@
 import pytest
 import torch
 
-from helpers import decode_fused, kernels_of, randn
+from helpers import kernels_of, randn
 from test_gpu import CONFIGS, check, cuda_case
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _pipeline_kernels():
-    """These tests check the multi-launch pipeline's kernels: the one-launch decode forward
-    (test_gpu_decode_fused.py) stays off."""
-    with decode_fused(False):
-        yield
+# these tests check the multi-launch pipeline's kernels (conftest.py pipeline_only)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("pipeline_only")]
 
 
 FUSED = "route_align"  # route_align_kernel<EPL> or route_align_split_kernel

@@ -5,18 +5,11 @@ the persistent kernel from 64 rows per expert, the decode kernel (operands swapp
 import pytest
 import torch
 
-from helpers import capture_forward, decode_fused, kernels_of, on_hopper, randn
+from helpers import capture_forward, kernels_of, on_hopper, randn, replay
 from test_gpu import CONFIGS, check, cuda_case
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _pipeline_kernels():
-    """These tests check the multi-launch pipeline's kernels: the one-launch decode forward
-    (test_gpu_decode_fused.py) stays off."""
-    with decode_fused(False):
-        yield
+# these tests check the multi-launch pipeline's kernels (conftest.py pipeline_only)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("pipeline_only")]
 
 
 PREFILL = [c for c in CONFIGS if c[0] != "grouped-sigmoid-bias"]
@@ -138,9 +131,6 @@ def test_graph_replay(m, gen):
     for _ in range(2):
         x = randn(gen, m, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
         logits = randn(gen, m, e, device="cuda", scale=2.0)
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static_x, static_logits, x, logits)
         want, margin = reference(x, logits)
         check(static_out, want, margin, torch.bfloat16)

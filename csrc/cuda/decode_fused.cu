@@ -24,8 +24,8 @@
  * bytes a lane per step. FP8, M = 1 (decode_fused_fp8.cuh): 16-row units on
  * tensor cores (m16n8k32 e4m3, the token as column 0), K split over warps.
  *
- * Where it is taken (mx_cuda_decode_fused_usable): bfloat16 / float16
- * activations, 16-byte rows and bases, its shared memory within kMaxSmem, a
+ * Where it is taken (fused_usable): bfloat16 / float16 activations,
+ * 16-byte rows and bases, its shared memory within kMaxSmem, a
  * device of compute capability 9.0 or later that launches cooperatively;
  * 16-bit weights at M <= 2; FP8 at M = 1 with gate-then-up rows, H and I
  * multiples of 128, H <= kFp8MaxHidden. Measured on an H100 against the
@@ -168,22 +168,17 @@ template <typename T, int Q> mx_status launch(const fused_args &args, size_t sme
 
 std::atomic<int> fused_enabled{1};
 
-} /* namespace */
-
-extern "C" int mx_cuda_set_decode_fused(int enabled)
-{
-    return fused_enabled.exchange(enabled ? 1 : 0);
-}
-
-extern "C" int mx_cuda_decode_fused_usable(const mx_experts_problem *p)
+/* Whether p fits the fused kernel (quant, M, shape, alignment, routing,
+ * device); then grid and the shared-memory layout of its launch. */
+bool fused_usable(const mx_experts_problem *p, int *grid, fused_layout *l)
 {
     const int64_t M = p->num_tokens, H = p->hidden_size, I = p->intermediate_size;
     if (!fused_enabled.load(std::memory_order_relaxed) || M < 1 || M > kMaxTokens || M * p->top_k > kMaxPairs)
-        return 0;
+        return false;
     if (p->act_dtype != MX_BF16 && p->act_dtype != MX_F16)
-        return 0;
+        return false;
     if (H % 8 != 0 || I % 8 != 0 || !mx_aligned16(p->hidden_states) || !mx_aligned16(p->w13) || !mx_aligned16(p->w2))
-        return 0;
+        return false;
     /* FP8: one token, gated (gate rows then up rows), whole 128-wide blocks, at most 16 slots (a warp each),
      * H <= kFp8MaxHidden: the FP8 path won at qwen3moe's H = 2048 (-14% fp8_block, -1% fp8_tensor at
      * M = 1) and lost at Mixtral's 4096 and DeepSeek-V3's 7168 (+1..13%; H100, benchmarks/NOTES.md
@@ -192,19 +187,25 @@ extern "C" int mx_cuda_decode_fused_usable(const mx_experts_problem *p)
         (M != 1 || !p->is_act_and_mul || p->activation == MX_ACT_SWIGLUOAI || p->apply_router_weight_on_input ||
          H % kFp8Block != 0 || I % kFp8Block != 0 || H > kFp8MaxHidden || p->top_k > kWarps || !p->w13_scale ||
          !p->w2_scale))
-        return 0;
+        return false;
     const mx_routing_problem *r = p->routing;
     mx_status st;
     /* routing the pipeline would refuse: let it say why */
     if (r && (route_check(r, &st) || r->num_tokens != M || r->top_k != p->top_k ||
               r->num_experts != p->global_num_experts || r->topk_ids != p->topk_ids ||
               r->topk_weights != p->topk_weights))
-        return 0;
+        return false;
     if (!cooperative_device())
-        return 0;
-    const int grid = fused_grid();
-    fused_layout l;
-    return grid > 0 && fused_plan(p, grid, &l) > 0;
+        return false;
+    *grid = fused_grid();
+    return *grid > 0 && fused_plan(p, *grid, l) > 0;
+}
+
+} /* namespace */
+
+extern "C" int mx_cuda_set_decode_fused(int enabled)
+{
+    return fused_enabled.exchange(enabled ? 1 : 0);
 }
 
 extern "C" size_t mx_cuda_decode_fused_workspace_bytes(const mx_experts_problem *p)
@@ -215,12 +216,13 @@ extern "C" size_t mx_cuda_decode_fused_workspace_bytes(const mx_experts_problem 
     return at;
 }
 
-extern "C" mx_status mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace, cudaStream_t stream)
+extern "C" int mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace, cudaStream_t stream,
+                                    mx_status *st)
 {
-    const int grid = fused_grid();
+    int grid = 0;
     fused_layout l;
-    if (grid <= 0 || fused_plan(p, grid, &l) == 0)
-        return mx_status_fail(MX_ERR_VALUE, "decode_fused: the problem does not fit the fused kernel");
+    if (!fused_usable(p, &grid, &l))
+        return 0;
     fused_args a;
     memset(&a, 0, sizeof a);
     a.M = p->num_tokens;
@@ -265,13 +267,17 @@ extern "C" mx_status mx_cuda_decode_fused(const mx_experts_problem *p, void *wor
     const bool bf16 = p->act_dtype == MX_BF16;
     switch (p->quant) {
     case MX_QUANT_NONE:
-        return bf16 ? launch<__nv_bfloat16, Q_NONE>(a, l.smem, grid, stream)
-                    : launch<__half, Q_NONE>(a, l.smem, grid, stream);
+        *st = bf16 ? launch<__nv_bfloat16, Q_NONE>(a, l.smem, grid, stream)
+                   : launch<__half, Q_NONE>(a, l.smem, grid, stream);
+        break;
     case MX_QUANT_FP8_TENSOR:
-        return bf16 ? launch<__nv_bfloat16, Q_TENSOR>(a, l.smem, grid, stream)
-                    : launch<__half, Q_TENSOR>(a, l.smem, grid, stream);
+        *st = bf16 ? launch<__nv_bfloat16, Q_TENSOR>(a, l.smem, grid, stream)
+                   : launch<__half, Q_TENSOR>(a, l.smem, grid, stream);
+        break;
     default:
-        return bf16 ? launch<__nv_bfloat16, Q_BLOCK>(a, l.smem, grid, stream)
-                    : launch<__half, Q_BLOCK>(a, l.smem, grid, stream);
+        *st = bf16 ? launch<__nv_bfloat16, Q_BLOCK>(a, l.smem, grid, stream)
+                   : launch<__half, Q_BLOCK>(a, l.smem, grid, stream);
+        break;
     }
+    return 1;
 }

@@ -23,7 +23,7 @@ constexpr int kMaxCtas = 1024;                    /* workspace for the FP8 act a
 
 enum fused_quant { Q_NONE = 0, Q_TENSOR = 1, Q_BLOCK = 2 };
 constexpr int kMmaBlocks = 2;          /* FP8: 128-byte k blocks of both rows loaded before any is used */
-constexpr int64_t kFp8MaxHidden = 2048; /* FP8: the longest GEMM1 K taken (see mx_cuda_decode_fused_usable) */
+constexpr int64_t kFp8MaxHidden = 2048; /* FP8: the longest GEMM1 K taken (decode_fused.cu fused_usable) */
 
 struct fused_args {
     int64_t M, H, I, n1, E_local, E_global;

@@ -7,9 +7,9 @@
  *   w13_bias [E_local, N1], w2_bias [E_local, H], topk_weights f32 [M, k],
  *   topk_ids i32 [M, k], expert_map i32 [E_global] -> out [M, H].
  *
- * At one or two tokens one launch does it all (decode_fused.cu, where
- * mx_cuda_decode_fused_usable; FP8 takes it in mx_cuda_experts_fp8). Otherwise launches, in stream order (no host
- * synchronization, no allocation):
+ * At one or two tokens one launch does it all where it fits
+ * (decode_fused.cu; FP8 tries it in mx_cuda_experts_fp8). Otherwise
+ * launches, in stream order (no host synchronization, no allocation):
  *   0. route_kernel            only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
  *                              (route_align_kernel: routing and this in one launch, M <= 32)
@@ -31,6 +31,8 @@
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
  *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
+#include <algorithm>
+
 #include "common.cuh"
 #include "experts.cuh"
 #include "gemm_configs.cuh"
@@ -134,17 +136,13 @@ extern "C" size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p)
 {
     if (p->num_tokens <= 0 || p->top_k < 1 || p->num_local_experts < 1)
         return 0;
-    size_t bytes = mx_cuda_decode_fused_workspace_bytes(p);
-    if (p->quant != MX_QUANT_NONE) {
-        const size_t fp8 = mx_cuda_experts_fp8_workspace_bytes(p);
-        return fp8 > bytes ? fp8 : bytes;
-    }
+    const size_t fused = mx_cuda_decode_fused_workspace_bytes(p);
+    if (p->quant != MX_QUANT_NONE)
+        return std::max(fused, mx_cuda_experts_fp8_workspace_bytes(p));
     experts_plan with_tma, without;
     make_plan(p, 1, &with_tma);
     make_plan(p, 0, &without);
-    if (with_tma.total_bytes > bytes)
-        bytes = with_tma.total_bytes;
-    return without.total_bytes > bytes ? without.total_bytes : bytes;
+    return std::max({fused, with_tma.total_bytes, without.total_bytes});
 }
 
 extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *stream_ptr)
@@ -156,8 +154,8 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
         return st;
     if (p->quant != MX_QUANT_NONE)
         return mx_cuda_experts_fp8(p, workspace, static_cast<cudaStream_t>(stream_ptr));
-    if (mx_cuda_decode_fused_usable(p))
-        return mx_cuda_decode_fused(p, workspace, static_cast<cudaStream_t>(stream_ptr));
+    if (mx_cuda_decode_fused(p, workspace, static_cast<cudaStream_t>(stream_ptr), &st))
+        return st;
 
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     experts_plan plan;

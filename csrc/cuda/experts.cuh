@@ -121,11 +121,12 @@ mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits
                           cudaStream_t stream);
 
 /* decode_fused.cu: the whole forward in one cooperative launch at one or
- * two tokens (FP8: one); usable() says whether p fits it (quant, M, shape,
- * alignment, device), workspace_bytes() what it needs of the workspace. */
-int mx_cuda_decode_fused_usable(const mx_experts_problem *p);
+ * two tokens (FP8: one). mx_cuda_decode_fused returns 0 when p does not fit
+ * it (quant, M, shape, alignment, device: the pipeline runs), else 1 with
+ * the launch's status in *st; workspace_bytes() is what it needs of the
+ * workspace. */
 size_t mx_cuda_decode_fused_workspace_bytes(const mx_experts_problem *p);
-mx_status mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace, cudaStream_t stream);
+int mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace, cudaStream_t stream, mx_status *st);
 
 /* experts_fp8.cu: the FP8 w8a8 pipeline, taken by mx_cuda_experts when
  * p->quant != MX_QUANT_NONE (after the common checks of experts.cu). Same

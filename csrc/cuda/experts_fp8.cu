@@ -9,7 +9,7 @@
  * topk_weights f32 [M, k], topk_ids i32 [M, k], expert_map -> out [M, H].
  *
  * At one token with gated weights in whole 128-wide blocks one launch does
- * it all (decode_fused.cu, where mx_cuda_decode_fused_usable). Otherwise
+ * it all where it fits (decode_fused.cu). Otherwise
  * launches, in stream order (no host synchronization, no allocation):
  *   0. route_kernel             only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel         pairs -> expert segments padded to block_m, tile table
@@ -162,8 +162,9 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): unknown quant %d", (int)p->quant);
     if (!p->w13_scale || !p->w2_scale)
         return mx_status_fail(MX_ERR_VALUE, "experts (CUDA): FP8 weights need w13_scale and w2_scale");
-    if (mx_cuda_decode_fused_usable(p))
-        return mx_cuda_decode_fused(p, workspace, stream);
+    mx_status st;
+    if (mx_cuda_decode_fused(p, workspace, stream, &st))
+        return st;
     const int64_t M = p->num_tokens, H = p->hidden_size, I = p->intermediate_size;
     const bool block = p->quant == MX_QUANT_FP8_BLOCK;
     const int aligned1 = H % 16 == 0 && mx_aligned16(p->w13);
@@ -192,7 +193,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *act_scale = reinterpret_cast<float *>(ws + plan.off_act_scale);
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
 
-    mx_status st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles,
+    st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles,
                                            pair_rows, stream);
     if (st.code != MX_OK)
         return st;
