@@ -1,0 +1,143 @@
+/* Latency probe of one token's top-k routing (route_token.cuh) by one warp,
+ * the decode kernels' first phase: per config, clock cycles and ns of
+ * route_token<EPL> run back to back in one warp (the first run cold, the
+ * rest warm), to split the ~4.5 us seen at E = 128, k = 8 inside
+ * decode_fused_kernel into its parts by varying k, scoring and E. Not part
+ * of the package or its tests; build and run on an sm_90a GPU:
+ *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
+ *        -I csrc/include -I csrc/cuda -o /tmp/route_probe benchmarks/route_probe.cu
+ *   /tmp/route_probe */
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "route_token.cuh"
+
+#define CHECK(call)                                                                                                 \
+    do {                                                                                                            \
+        cudaError_t e_ = (call);                                                                                    \
+        if (e_ != cudaSuccess) {                                                                                    \
+            printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__);                                 \
+            exit(1);                                                                                                \
+        }                                                                                                           \
+    } while (0)
+
+constexpr int kReps = 16;
+
+__device__ __forceinline__ unsigned long long global_ns()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+template <int EPL> __global__ void probe_kernel(mx_routing_problem p, long long *cycles, long long *ns)
+{
+    extern __shared__ float rows[];
+    const int lane = threadIdx.x & 31;
+    for (int rep = 0; rep < kReps; ++rep) {
+        __syncwarp();
+        const long long c0 = clock64();
+        const unsigned long long n0 = global_ns();
+        route_token<EPL>(p, 0, rows, lane, nullptr);
+        __syncwarp();
+        const long long c1 = clock64();
+        const unsigned long long n1 = global_ns();
+        if (lane == 0) {
+            cycles[rep] = c1 - c0;
+            ns[rep] = static_cast<long long>(n1 - n0);
+        }
+    }
+}
+
+struct config {
+    const char *name;
+    int E, k;
+    mx_scoring scoring;
+    int renormalize, groups, topk_group, bias;
+    mx_dtype dtype;
+};
+
+template <int EPL> void run(const config &c, void *logits, float *bias, float *w, int32_t *ids, long long *cyc,
+                            long long *ns)
+{
+    mx_routing_problem p{};
+    p.num_tokens = 1;
+    p.num_experts = c.E;
+    p.top_k = c.k;
+    p.scoring = c.scoring;
+    p.renormalize = c.renormalize;
+    p.num_expert_group = c.groups;
+    p.topk_group = c.topk_group;
+    p.routed_scaling_factor = 1.0f;
+    p.logits_dtype = c.dtype;
+    p.router_logits = logits;
+    p.bias_dtype = MX_F32;
+    p.correction_bias = c.bias ? bias : nullptr;
+    p.topk_weights = w;
+    p.topk_ids = ids;
+    const size_t smem = route_warp_bytes(c.E);
+    probe_kernel<EPL><<<1, 32, smem>>>(p, cyc, ns);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    long long hc[kReps], hn[kReps];
+    CHECK(cudaMemcpy(hc, cyc, sizeof hc, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(hn, ns, sizeof hn, cudaMemcpyDeviceToHost));
+    std::vector<long long> wc(hc + 1, hc + kReps), wn(hn + 1, hn + kReps);
+    std::sort(wc.begin(), wc.end());
+    std::sort(wn.begin(), wn.end());
+    printf("%-34s EPL %d  cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", c.name, EPL, hc[0], hn[0],
+           wc[wc.size() / 2], wn[wn.size() / 2]);
+}
+
+int main()
+{
+    const int maxE = 256;
+    std::vector<float> hl(maxE), hb(maxE);
+    srand(1);
+    for (int i = 0; i < maxE; ++i) {
+        hl[i] = static_cast<float>(rand()) / RAND_MAX * 4.0f - 2.0f;
+        hb[i] = static_cast<float>(rand()) / RAND_MAX * 0.1f;
+    }
+    std::vector<uint16_t> hbf(maxE);
+    for (int i = 0; i < maxE; ++i) {
+        uint32_t u;
+        memcpy(&u, &hl[i], 4);
+        hbf[i] = static_cast<uint16_t>(u >> 16);
+    }
+    float *logits, *bias, *w;
+    void *logits_bf;
+    int32_t *ids;
+    long long *cyc, *ns;
+    CHECK(cudaMalloc(&logits, maxE * 4));
+    CHECK(cudaMalloc(&logits_bf, maxE * 2));
+    CHECK(cudaMalloc(&bias, maxE * 4));
+    CHECK(cudaMalloc(&w, 64 * 4));
+    CHECK(cudaMalloc(&ids, 64 * 4));
+    CHECK(cudaMalloc(&cyc, kReps * 8));
+    CHECK(cudaMalloc(&ns, kReps * 8));
+    CHECK(cudaMemcpy(logits, hl.data(), maxE * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(logits_bf, hbf.data(), maxE * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(bias, hb.data(), maxE * 4, cudaMemcpyHostToDevice));
+    const config cs[] = {
+        {"qwen3moe E128 k8 softmax renorm", 128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"E128 k8 softmax renorm bf16", 128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
+        {"E128 k1 softmax renorm", 128, 1, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"E128 k4 softmax renorm", 128, 4, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"E128 k8 softmax no renorm", 128, 8, MX_SCORING_SOFTMAX, 0, 0, 0, 0, MX_F32},
+        {"E128 k8 sigmoid renorm", 128, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F32},
+        {"E32 k4 softmax renorm (gpt-oss)", 32, 4, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"E8 k2 softmax renorm (mixtral)", 8, 2, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"E64 k8 softmax renorm", 64, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"E256 k8 sigmoid g8/4 bias (dsv3)", 256, 8, MX_SCORING_SIGMOID, 1, 8, 4, 1, MX_F32},
+    };
+    for (const config &c : cs) {
+        float *lg = c.dtype == MX_BF16 ? static_cast<float *>(logits_bf) : logits;
+        route_pick_experts_per_lane(c.E, [&](auto epl) {
+            run<decltype(epl)::value>(c, lg, bias, w, ids, cyc, ns);
+            return 0;
+        });
+    }
+    return 0;
+}
