@@ -2,14 +2,18 @@
  * the decode kernels' first phase: per config, clock cycles and ns of
  * route_token<EPL> run back to back in one warp (the first run cold, the
  * rest warm), to split the ~4.5 us seen at E = 128, k = 8 inside
- * decode_fused_kernel into its parts by varying k, scoring and E. Not part
- * of the package or its tests; build and run on an sm_90a GPU:
+ * decode_fused_kernel into its parts by varying k, scoring and E. Then a
+ * fingerprint of the routing's output bits over many random tokens (ties,
+ * NaN and infinite logits, groups, every logits dtype), so that two builds
+ * of route_token.cuh can be compared bit for bit. Not part of the package
+ * or its tests; build and run on an sm_90a GPU:
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
  *        -I csrc/include -I csrc/cuda -o /tmp/route_probe benchmarks/route_probe.cu
  *   /tmp/route_probe */
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "route_token.cuh"
@@ -51,6 +55,12 @@ template <int EPL> __global__ void probe_kernel(mx_routing_problem p, long long 
     }
 }
 
+template <int EPL> __global__ void route_tokens_kernel(mx_routing_problem p)
+{
+    extern __shared__ float rows[];
+    route_token<EPL>(p, blockIdx.x, rows, threadIdx.x & 31, nullptr);
+}
+
 struct config {
     const char *name;
     int E, k;
@@ -89,6 +99,98 @@ template <int EPL> void run(const config &c, void *logits, float *bias, float *w
     std::sort(wn.begin(), wn.end());
     printf("%-34s EPL %d  cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", c.name, EPL, hc[0], hn[0],
            wc[wc.size() / 2], wn[wn.size() / 2]);
+}
+
+/* FNV-1a over the bytes of n words. */
+static uint64_t fingerprint(const void *data, size_t bytes, uint64_t h)
+{
+    const unsigned char *b = static_cast<const unsigned char *>(data);
+    for (size_t i = 0; i < bytes; ++i)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* Routes kTokens random tokens per case (logits from a few levels, so that
+ * ties are common, with NaN and +-inf sprinkled in) and prints one
+ * fingerprint per case and one over all. */
+static void fingerprints()
+{
+    constexpr int kTokens = 512;
+    const int maxE = 384;
+    struct fcase {
+        int E, k;
+        mx_scoring scoring;
+        int renormalize, groups, topk_group, bias;
+        mx_dtype dtype;
+    };
+    const fcase cases[] = {
+        {8, 2, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},   {32, 4, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
+        {60, 6, MX_SCORING_SOFTMAX, 0, 0, 0, 0, MX_F32},  {64, 8, MX_SCORING_SIGMOID, 1, 4, 2, 0, MX_F16},
+        {128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32}, {128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
+        {128, 1, MX_SCORING_SOFTMAX, 0, 0, 0, 1, MX_F32}, {128, 40, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_F32},
+        {160, 6, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F16}, {256, 8, MX_SCORING_SIGMOID, 1, 8, 4, 1, MX_F32},
+        {256, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16}, {384, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+    };
+    std::vector<float> hl(static_cast<size_t>(kTokens) * maxE), hb(maxE);
+    std::vector<uint16_t> h16(hl.size());
+    void *logits;
+    float *bias, *w;
+    int32_t *ids;
+    CHECK(cudaMalloc(&logits, hl.size() * 4));
+    CHECK(cudaMalloc(&bias, maxE * 4));
+    CHECK(cudaMalloc(&w, kTokens * 64 * 4));
+    CHECK(cudaMalloc(&ids, kTokens * 64 * 4));
+    uint64_t all = 1469598103934665603ull;
+    srand(7);
+    for (const fcase &c : cases) {
+        for (size_t i = 0; i < static_cast<size_t>(kTokens) * c.E; ++i) {
+            const int r = rand() % 1000;
+            hl[i] = r == 0 ? NAN : r == 1 ? INFINITY : r == 2 ? -INFINITY : static_cast<float>(rand() % 9) * 0.25f - 1.0f;
+            uint32_t u;
+            memcpy(&u, &hl[i], 4);
+            const __half hh = __float2half(hl[i]);
+            h16[i] = c.dtype == MX_BF16 ? static_cast<uint16_t>(u >> 16) : *reinterpret_cast<const uint16_t *>(&hh);
+        }
+        for (int e = 0; e < c.E; ++e)
+            hb[e] = static_cast<float>(rand() % 5) * 0.125f;
+        if (c.dtype == MX_F32)
+            CHECK(cudaMemcpy(logits, hl.data(), static_cast<size_t>(kTokens) * c.E * 4, cudaMemcpyHostToDevice));
+        else
+            CHECK(cudaMemcpy(logits, h16.data(), static_cast<size_t>(kTokens) * c.E * 2, cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(bias, hb.data(), c.E * 4, cudaMemcpyHostToDevice));
+        mx_routing_problem p{};
+        p.num_tokens = kTokens;
+        p.num_experts = c.E;
+        p.top_k = c.k;
+        p.scoring = c.scoring;
+        p.renormalize = c.renormalize;
+        p.num_expert_group = c.groups;
+        p.topk_group = c.topk_group;
+        p.routed_scaling_factor = 2.5f;
+        p.logits_dtype = c.dtype;
+        p.router_logits = logits;
+        p.bias_dtype = MX_F32;
+        p.correction_bias = c.bias ? bias : nullptr;
+        p.topk_weights = w;
+        p.topk_ids = ids;
+        route_pick_experts_per_lane(c.E, [&](auto epl) {
+            route_tokens_kernel<decltype(epl)::value><<<kTokens, 32, route_warp_bytes(c.E)>>>(p);
+            return 0;
+        });
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+        std::vector<float> hw(static_cast<size_t>(kTokens) * c.k);
+        std::vector<int32_t> hi(hw.size());
+        CHECK(cudaMemcpy(hw.data(), w, hw.size() * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hi.data(), ids, hi.size() * 4, cudaMemcpyDeviceToHost));
+        uint64_t h = fingerprint(hw.data(), hw.size() * 4, 1469598103934665603ull);
+        h = fingerprint(hi.data(), hi.size() * 4, h);
+        all = fingerprint(&h, sizeof h, all);
+        printf("fingerprint E %3d k %2d %s renorm %d groups %d/%d bias %d dtype %d: %016llx\n", c.E, c.k,
+               c.scoring == MX_SCORING_SOFTMAX ? "softmax" : "sigmoid", c.renormalize, c.groups, c.topk_group, c.bias,
+               static_cast<int>(c.dtype), static_cast<unsigned long long>(h));
+    }
+    printf("fingerprint of all cases: %016llx\n", static_cast<unsigned long long>(all));
 }
 
 int main()
@@ -139,5 +241,6 @@ int main()
             return 0;
         });
     }
+    fingerprints();
     return 0;
 }

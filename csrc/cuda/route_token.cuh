@@ -59,6 +59,15 @@ __device__ __forceinline__ float warp_max(float v)
     return v;
 }
 
+/* warp_max of values that are never NaN, as one redux over route_key's
+ * order (+0 for a zero maximum of either sign: softmax subtracts it, and
+ * x - 0 and x - (-0) have the same exp). */
+__device__ __forceinline__ float warp_max_finite_order(float v)
+{
+    const uint32_t key = __reduce_max_sync(0xffffffffu, route_key(v));
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
 __device__ __forceinline__ float warp_sum(float v)
 {
     for (int off = 16; off > 0; off >>= 1)
@@ -182,18 +191,24 @@ __device__ __forceinline__ void route_select_warp(const mx_routing_problem &p, c
     }
 }
 
-/* Step 4 by one warp: renormalize over the slots (float32, slot order),
- * scale, write topk_weights[t, :] and topk_ids[t, :] (and the ids to
- * ids_copy[t * k + j] when given). */
-__device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane,
-                                            int32_t *ids_copy)
+/* The sum of the k slot weights in r.group, in slot order (float32), to
+ * every lane. */
+__device__ __forceinline__ float route_slot_sum(const route_rows &r, int k, int lane)
 {
-    const int k = p.top_k;
     float wsum = 0.0f;
     if (lane == 0)
         for (int j = 0; j < k; ++j)
             wsum += r.group[j];
-    wsum = __shfl_sync(0xffffffffu, wsum, 0);
+    return __shfl_sync(0xffffffffu, wsum, 0);
+}
+
+/* Step 4 by one warp: renormalize over the slots by wsum (route_slot_sum's
+ * value), scale, write topk_weights[t, :] and topk_ids[t, :] (and the ids
+ * to ids_copy[t * k + j] when given). */
+__device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane,
+                                            int32_t *ids_copy, float wsum)
+{
+    const int k = p.top_k;
     for (int j = lane; j < k; j += 32) {
         float w = r.group[j];
         if (p.renormalize)
@@ -209,26 +224,45 @@ __device__ __forceinline__ void route_write(const mx_routing_problem &p, int64_t
 /* Experts a lane can keep in registers: up to 8 per lane. */
 constexpr int kRouteRegExperts = 256;
 
+/* Lane's logits of token t, experts lane + 32 i (0 past E): one dtype
+ * switch, then EPL loads issued together. */
+template <int EPL>
+__device__ __forceinline__ void route_load_logits(const mx_routing_problem &p, int64_t t, int lane, float (&v)[EPL])
+{
+    const int E = static_cast<int>(p.num_experts);
+    auto load = [&](const auto *row) {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            v[i] = lane + 32 * i < E ? mx_to_float(row[t * E + lane + 32 * i]) : 0.0f;
+    };
+    switch (p.logits_dtype) {
+    case MX_F16: load(static_cast<const __half *>(p.router_logits)); break;
+    case MX_BF16: load(static_cast<const __nv_bfloat16 *>(p.router_logits)); break;
+    default: load(static_cast<const float *>(p.router_logits)); break;
+    }
+}
+
 /* Steps 1-3 by one warp with lane's experts e = lane + 32 i (i < EPL,
  * E <= 32 EPL) in registers; then the slots in r.group / r.aux as
- * route_select_warp leaves them. The same arithmetic in the same order as
- * route_scores and route_select_warp. */
+ * route_select_warp leaves them, and their sum (route_slot_sum's) as the
+ * result. The same arithmetic in the same order as route_scores and
+ * route_select_warp. Each arg-max round works on route_key's keys (taken:
+ * 0): the lane's largest key, the warp's (a redux), the lowest index
+ * holding it (a redux); the owner's score is shuffled to every lane, which
+ * add it to the slot sum. */
 template <int EPL>
-__device__ __forceinline__ void route_token_regs(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
+__device__ __forceinline__ float route_token_regs(const mx_routing_problem &p, int64_t t, const route_rows &r, int lane)
 {
     const int E = static_cast<int>(p.num_experts);
     float score[EPL], choice[EPL];
-    const int64_t base = t * E;
+    route_load_logits<EPL>(p, t, lane, score);
     float mx = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-        const int e = lane + 32 * i;
-        score[i] = e < E ? mx_load_float(p.router_logits, p.logits_dtype, base + e) : 0.0f;
-        if (e < E)
+    for (int i = 0; i < EPL; ++i)
+        if (lane + 32 * i < E)
             mx = fmaxf(mx, score[i]);
-    }
     if (p.scoring == MX_SCORING_SOFTMAX) {
-        mx = warp_max(mx);
+        mx = warp_max_finite_order(mx);
         float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < EPL; ++i)
@@ -265,25 +299,39 @@ __device__ __forceinline__ void route_token_regs(const mx_routing_problem &p, in
             if (lane + 32 * i < E)
                 choice[i] = r.choice[lane + 32 * i];
     }
-    for (int j = 0; j < p.top_k; ++j) {
-        float bv = NAN;
-        int bi = E;
+    uint32_t key[EPL];
 #pragma unroll
-        for (int i = 0; i < EPL; ++i)
-            if (route_better(choice[i], lane + 32 * i, bv, bi)) {
-                bv = choice[i];
-                bi = lane + 32 * i;
-            }
-        bi = warp_argmax(bv, bi);
+    for (int i = 0; i < EPL; ++i)
+        key[i] = route_key(choice[i]);
+    float wsum = 0.0f;
+    for (int j = 0; j < p.top_k; ++j) {
+        uint32_t mine = key[0];
+#pragma unroll
+        for (int i = 1; i < EPL; ++i)
+            mine = max(mine, key[i]);
+        const uint32_t best = __reduce_max_sync(0xffffffffu, mine);
+        uint32_t at = 0xffffffffu;
+#pragma unroll
+        for (int i = EPL - 1; i >= 0; --i)
+            if (key[i] == best)
+                at = static_cast<uint32_t>(lane + 32 * i);
+        const int bi = static_cast<int>(__reduce_min_sync(0xffffffffu, at));
+        float w = 0.0f;
 #pragma unroll
         for (int i = 0; i < EPL; ++i)
             if (lane + 32 * i == bi) {
-                choice[i] = NAN;
-                r.group[j] = score[i];
-                r.aux[j] = bi;
+                key[i] = 0u;
+                w = score[i];
             }
+        w = __shfl_sync(0xffffffffu, w, bi & 31);
+        wsum += w;
+        if (lane == 0) {
+            r.group[j] = w;
+            r.aux[j] = bi;
+        }
     }
     __syncwarp();
+    return wsum;
 }
 
 /* Routes token t with the calling warp; rows: the warp's 4 * E floats of
@@ -296,13 +344,15 @@ __device__ __forceinline__ void route_token(const mx_routing_problem &p, int64_t
                                             int32_t *ids_copy)
 {
     const route_rows r(rows, static_cast<int>(p.num_experts));
+    float wsum;
     if constexpr (EPL > 0) {
-        route_token_regs<EPL>(p, t, r, lane);
+        wsum = route_token_regs<EPL>(p, t, r, lane);
     } else {
         route_scores(p, t, r, lane);
         route_select_warp(p, r, lane);
+        wsum = route_slot_sum(r, p.top_k, lane);
     }
-    route_write(p, t, r, lane, ids_copy);
+    route_write(p, t, r, lane, ids_copy, wsum);
 }
 
 /* Experts per lane of route_token's register path for E experts (1, 2, 4

@@ -106,7 +106,7 @@ __device__ __forceinline__ void route_token_split(const mx_routing_problem &p, i
             }
     }
     __syncwarp();
-    route_write(p, t, r, lane, ids_copy);
+    route_write(p, t, r, lane, ids_copy, route_slot_sum(r, k, lane));
 }
 
 } /* namespace */
