@@ -1,7 +1,7 @@
 /* Latency probe of one token's top-k routing (route_token.cuh) by one warp,
  * the decode kernels' first phase: per config, clock cycles and ns of
  * route_token<EPL> run back to back in one warp (the first run cold, the
- * rest warm), to split the ~4.5 us seen at E = 128, k = 8 inside
+ * rest warm), and of route_token_split.cuh's E / 32 warps where it applies, to split the ~4.5 us seen at E = 128, k = 8 inside
  * decode_fused_kernel into its parts by varying k, scoring and E. Then a
  * fingerprint of the routing's output bits over many random tokens (ties,
  * NaN and infinite logits, groups, every logits dtype), so that two builds
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "route_token.cuh"
+#include "route_token_split.cuh"
 
 #define CHECK(call)                                                                                                 \
     do {                                                                                                            \
@@ -61,6 +62,31 @@ template <int EPL> __global__ void route_tokens_kernel(mx_routing_problem p)
     route_token<EPL>(p, blockIdx.x, rows, threadIdx.x & 31, nullptr);
 }
 
+/* route_token_split: a block of E / 32 warps per token */
+__global__ void route_split_tokens_kernel(mx_routing_problem p)
+{
+    extern __shared__ float rows[];
+    route_token_split(p, blockIdx.x, rows, threadIdx.x >> 5, threadIdx.x & 31, nullptr);
+}
+
+__global__ void probe_split_kernel(mx_routing_problem p, long long *cycles, long long *ns)
+{
+    extern __shared__ float rows[];
+    for (int rep = 0; rep < kReps; ++rep) {
+        __syncthreads();
+        const long long c0 = clock64();
+        const unsigned long long n0 = global_ns();
+        route_token_split(p, 0, rows, threadIdx.x >> 5, threadIdx.x & 31, nullptr);
+        __syncthreads();
+        const long long c1 = clock64();
+        const unsigned long long n1 = global_ns();
+        if (threadIdx.x == 0) {
+            cycles[rep] = c1 - c0;
+            ns[rep] = static_cast<long long>(n1 - n0);
+        }
+    }
+}
+
 struct config {
     const char *name;
     int E, k;
@@ -99,6 +125,19 @@ template <int EPL> void run(const config &c, void *logits, float *bias, float *w
     std::sort(wn.begin(), wn.end());
     printf("%-34s EPL %d  cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", c.name, EPL, hc[0], hn[0],
            wc[wc.size() / 2], wn[wn.size() / 2]);
+    if (!route_split_usable(&p))
+        return;
+    probe_split_kernel<<<1, c.E, smem>>>(p, cyc, ns);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(hc, cyc, sizeof hc, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(hn, ns, sizeof hn, cudaMemcpyDeviceToHost));
+    wc.assign(hc + 1, hc + kReps);
+    wn.assign(hn + 1, hn + kReps);
+    std::sort(wc.begin(), wc.end());
+    std::sort(wn.begin(), wn.end());
+    printf("%-34s split %d warps  cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", c.name, c.E / 32, hc[0],
+           hn[0], wc[wc.size() / 2], wn[wn.size() / 2]);
 }
 
 /* FNV-1a over the bytes of n words. */
@@ -130,6 +169,9 @@ static void fingerprints()
         {128, 1, MX_SCORING_SOFTMAX, 0, 0, 0, 1, MX_F32}, {128, 40, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_F32},
         {160, 6, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F16}, {256, 8, MX_SCORING_SIGMOID, 1, 8, 4, 1, MX_F32},
         {256, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16}, {384, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {128, 8, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_BF16}, {64, 6, MX_SCORING_SIGMOID, 0, 0, 0, 1, MX_F32},
+        {160, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F16},  {256, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F32},
+        {256, 16, MX_SCORING_SIGMOID, 1, 8, 2, 1, MX_F32},
     };
     std::vector<float> hl(static_cast<size_t>(kTokens) * maxE), hb(maxE);
     std::vector<uint16_t> h16(hl.size());
@@ -189,6 +231,22 @@ static void fingerprints()
         printf("fingerprint E %3d k %2d %s renorm %d groups %d/%d bias %d dtype %d: %016llx\n", c.E, c.k,
                c.scoring == MX_SCORING_SOFTMAX ? "softmax" : "sigmoid", c.renormalize, c.groups, c.topk_group, c.bias,
                static_cast<int>(c.dtype), static_cast<unsigned long long>(h));
+        if (route_split_usable(&p)) {
+            CHECK(cudaMemset(w, 0xff, kTokens * 64 * 4));
+            route_split_tokens_kernel<<<kTokens, c.E, route_warp_bytes(c.E)>>>(p);
+            CHECK(cudaGetLastError());
+            CHECK(cudaDeviceSynchronize());
+            std::vector<float> sw(hw.size());
+            std::vector<int32_t> si(hi.size());
+            CHECK(cudaMemcpy(sw.data(), w, sw.size() * 4, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(si.data(), ids, si.size() * 4, cudaMemcpyDeviceToHost));
+            const bool same = memcmp(sw.data(), hw.data(), sw.size() * 4) == 0 && memcmp(si.data(), hi.data(), si.size() * 4) == 0;
+            uint64_t hs = fingerprint(sw.data(), sw.size() * 4, 1469598103934665603ull);
+            hs = fingerprint(si.data(), si.size() * 4, hs);
+            all = fingerprint(&hs, sizeof hs, all);
+            printf("  split (E / 32 warps): %016llx, %s the one-warp path's bits\n", static_cast<unsigned long long>(hs),
+                   same ? "equal to" : "DIFFERENT FROM");
+        }
     }
     printf("fingerprint of all cases: %016llx\n", static_cast<unsigned long long>(all));
 }

@@ -79,34 +79,47 @@ __device__ __forceinline__ void route_token_split(const mx_routing_problem &p, i
     __syncthreads();
     if (w != 0)
         return;
-    float v[kSplitMergePerLane];
+    uint32_t key[kSplitMergePerLane]; /* route_key of the candidates' values; taken or none: 0 */
     int id[kSplitMergePerLane];
+    float weight[kSplitMergePerLane];
 #pragma unroll
     for (int i = 0; i < kSplitMergePerLane; ++i) {
         const int n = lane + 32 * i;
-        v[i] = n < W * k ? cand_value[n] : NAN;
+        key[i] = n < W * k ? route_key(cand_value[n]) : 0u;
         id[i] = n < W * k ? cand_id[n] : E;
+        weight[i] = n < W * k ? cand_weight[n] : 0.0f;
     }
-    for (int j = 0; j < k; ++j) {
-        float bv = NAN;
-        int bi = E;
+    float wsum = 0.0f;
+    for (int j = 0; j < k; ++j) { /* route_token_regs' rounds; the ids are not in lane order, so the lowest is reduced */
+        uint32_t mine = key[0];
+#pragma unroll
+        for (int i = 1; i < kSplitMergePerLane; ++i)
+            mine = max(mine, key[i]);
+        const uint32_t best = __reduce_max_sync(0xffffffffu, mine);
+        uint32_t at = 0xffffffffu;
 #pragma unroll
         for (int i = 0; i < kSplitMergePerLane; ++i)
-            if (route_better(v[i], id[i], bv, bi)) {
-                bv = v[i];
-                bi = id[i];
-            }
-        bi = warp_argmax(bv, bi);
+            if (key[i] == best)
+                at = min(at, static_cast<uint32_t>(id[i]));
+        const int bi = static_cast<int>(__reduce_min_sync(0xffffffffu, at));
+        float w = 0.0f;
+        bool mine_taken = false;
 #pragma unroll
         for (int i = 0; i < kSplitMergePerLane; ++i)
-            if (id[i] == bi && !isnan(v[i])) {
-                v[i] = NAN;
-                r.group[j] = cand_weight[lane + 32 * i];
-                r.aux[j] = bi;
+            if (id[i] == bi && key[i] != 0u) {
+                key[i] = 0u;
+                w = weight[i];
+                mine_taken = true;
             }
+        w = __shfl_sync(0xffffffffu, w, __ffs(__ballot_sync(0xffffffffu, mine_taken)) - 1);
+        wsum += w;
+        if (lane == 0) {
+            r.group[j] = w;
+            r.aux[j] = bi;
+        }
     }
     __syncwarp();
-    route_write(p, t, r, lane, ids_copy, route_slot_sum(r, k, lane));
+    route_write(p, t, r, lane, ids_copy, wsum);
 }
 
 } /* namespace */
