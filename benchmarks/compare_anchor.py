@@ -2,7 +2,10 @@
 fused_moe_kernel with its tuned H200 configs, as the issue records it, routing and sort NOT
 included there), the decode roofline test and the prefill TFLOP/s targets.
 
-    python3 benchmarks/compare_anchor.py benchmarks/results/<file>.json [--markdown]
+    python3 benchmarks/compare_anchor.py benchmarks/results/<file>.json [--per-model]
+
+--per-model adds, per model and dtype, a table of us, TB/s (weight bytes touched over time),
+TFLOP/s and x anchor at every M (the table issue 5's closing note carries).
 
 Only meaningful for results taken on an H200 (the anchor's GPU). The decode roofline is
 max(weight bytes / streaming-read bandwidth, FLOPs / matmul peak) with both ceilings from the
@@ -48,9 +51,26 @@ def geometric_mean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def per_model_tables(points):
+    """Markdown, per (model, dtype): us, TB/s, TFLOP/s and x anchor at each M."""
+    for (model, dtype), anchor in ANCHOR.items():
+        cols = [(m, a, points.get((model, dtype, m))) for m, a in zip(TOKENS, anchor)]
+        cols = [(m, a, p) for m, a, p in cols if p is not None]
+        if not cols:
+            continue
+        print(f"\n{model}, {dtype}\n")
+        print("| M | " + " | ".join(str(m) for m, _, _ in cols) + " |")
+        print("|---" * (len(cols) + 1) + "|")
+        print("| us | " + " | ".join(f"{p['us']:.1f}" for _, _, p in cols) + " |")
+        print("| TB/s | " + " | ".join(f"{p['tbps']:.2f}" for _, _, p in cols) + " |")
+        print("| TFLOP/s | " + " | ".join(f"{p['tflops']:.1f}" for _, _, p in cols) + " |")
+        print("| x anchor | " + " | ".join(f"{a / p['us']:.2f}" for _, a, p in cols) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result")
+    parser.add_argument("--per-model", action="store_true", help="add the per-model tables")
     args = parser.parse_args()
     meta, points = load(args.result)
     c = meta["ceilings"]
@@ -95,6 +115,8 @@ def main():
     hosts = [p["host_us"] for p in points.values() if p.get("host_us") is not None]
     if hosts:
         print(f"host time per forward: {min(hosts):.1f}-{max(hosts):.1f} us (target < 5)")
+    if args.per_model:
+        per_model_tables(points)
 
 
 if __name__ == "__main__":
