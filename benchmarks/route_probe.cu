@@ -1,12 +1,14 @@
 /* Latency probe of one token's top-k routing (route_token.cuh) by one warp,
  * the decode kernels' first phase: per config, clock cycles and ns of
  * route_token<EPL> run back to back in one warp (the first run cold, the
- * rest warm), and of route_token_split.cuh's E / 32 warps where it applies, to split the ~4.5 us seen at E = 128, k = 8 inside
+ * rest warm), and of route_token_split.cuh's E / 32 warps where it
+ * applies, to split the ~4.5 us seen at E = 128, k = 8 inside
  * decode_fused_kernel into its parts by varying k, scoring and E. Then a
  * fingerprint of the routing's output bits over many random tokens (ties,
  * NaN and infinite logits, groups, every logits dtype), so that two builds
- * of route_token.cuh can be compared bit for bit. Not part of the package
- * or its tests; build and run on an sm_90a GPU:
+ * of route_token.cuh / route_token_split.cuh can be compared bit for bit,
+ * and the split path against the one-warp path. Not part of the package or
+ * its tests; build and run on an sm_90a GPU:
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
  *        -I csrc/include -I csrc/cuda -o /tmp/route_probe benchmarks/route_probe.cu
  *   /tmp/route_probe */
@@ -95,26 +97,32 @@ struct config {
     mx_dtype dtype;
 };
 
-template <int EPL> void run(const config &c, void *logits, float *bias, float *w, int32_t *ids, long long *cyc,
-                            long long *ns)
+/* c's routing of `tokens` tokens (float32 bias, scaling factor `scaling`) */
+static mx_routing_problem problem_of(const config &c, int64_t tokens, float scaling, const void *logits,
+                                     const float *bias, float *w, int32_t *ids)
 {
     mx_routing_problem p{};
-    p.num_tokens = 1;
+    p.num_tokens = tokens;
     p.num_experts = c.E;
     p.top_k = c.k;
     p.scoring = c.scoring;
     p.renormalize = c.renormalize;
     p.num_expert_group = c.groups;
     p.topk_group = c.topk_group;
-    p.routed_scaling_factor = 1.0f;
+    p.routed_scaling_factor = scaling;
     p.logits_dtype = c.dtype;
     p.router_logits = logits;
     p.bias_dtype = MX_F32;
     p.correction_bias = c.bias ? bias : nullptr;
     p.topk_weights = w;
     p.topk_ids = ids;
-    const size_t smem = route_warp_bytes(c.E);
-    probe_kernel<EPL><<<1, 32, smem>>>(p, cyc, ns);
+    return p;
+}
+
+/* Waits for the probe kernel just launched; prints its first (cold) run and
+ * the median of the warm ones. */
+static void print_times(const char *name, const char *path, const long long *cyc, const long long *ns)
+{
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     long long hc[kReps], hn[kReps];
@@ -123,24 +131,27 @@ template <int EPL> void run(const config &c, void *logits, float *bias, float *w
     std::vector<long long> wc(hc + 1, hc + kReps), wn(hn + 1, hn + kReps);
     std::sort(wc.begin(), wc.end());
     std::sort(wn.begin(), wn.end());
-    printf("%-34s EPL %d  cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", c.name, EPL, hc[0], hn[0],
+    printf("%-34s %-14s cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", name, path, hc[0], hn[0],
            wc[wc.size() / 2], wn[wn.size() / 2]);
+}
+
+template <int EPL> void run(const config &c, const void *logits, const float *bias, float *w, int32_t *ids,
+                            long long *cyc, long long *ns)
+{
+    const mx_routing_problem p = problem_of(c, 1, 1.0f, logits, bias, w, ids);
+    const size_t smem = route_warp_bytes(c.E);
+    char path[32];
+    probe_kernel<EPL><<<1, 32, smem>>>(p, cyc, ns);
+    snprintf(path, sizeof path, "EPL %d", EPL);
+    print_times(c.name, path, cyc, ns);
     if (!route_split_usable(&p))
         return;
     probe_split_kernel<<<1, c.E, smem>>>(p, cyc, ns);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-    CHECK(cudaMemcpy(hc, cyc, sizeof hc, cudaMemcpyDeviceToHost));
-    CHECK(cudaMemcpy(hn, ns, sizeof hn, cudaMemcpyDeviceToHost));
-    wc.assign(hc + 1, hc + kReps);
-    wn.assign(hn + 1, hn + kReps);
-    std::sort(wc.begin(), wc.end());
-    std::sort(wn.begin(), wn.end());
-    printf("%-34s split %d warps  cold %6lld cyc %6lld ns  warm median %6lld cyc %6lld ns\n", c.name, c.E / 32, hc[0],
-           hn[0], wc[wc.size() / 2], wn[wn.size() / 2]);
+    snprintf(path, sizeof path, "split %d warps", c.E / 32);
+    print_times(c.name, path, cyc, ns);
 }
 
-/* FNV-1a over the bytes of n words. */
+/* FNV-1a over bytes, continuing from h. */
 static uint64_t fingerprint(const void *data, size_t bytes, uint64_t h)
 {
     const unsigned char *b = static_cast<const unsigned char *>(data);
@@ -149,29 +160,47 @@ static uint64_t fingerprint(const void *data, size_t bytes, uint64_t h)
     return h;
 }
 
+/* The routing outputs of the kernel just launched: its weights' and ids'
+ * bytes, and their fingerprint. */
+struct routed {
+    std::vector<float> w;
+    std::vector<int32_t> ids;
+    uint64_t print;
+    routed(const float *dw, const int32_t *dids, size_t n) : w(n), ids(n)
+    {
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaMemcpy(w.data(), dw, n * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(ids.data(), dids, n * 4, cudaMemcpyDeviceToHost));
+        print = fingerprint(ids.data(), n * 4, fingerprint(w.data(), n * 4, 1469598103934665603ull));
+    }
+    bool operator==(const routed &o) const
+    {
+        return w.size() == o.w.size() && !memcmp(w.data(), o.w.data(), w.size() * 4) && ids == o.ids;
+    }
+};
+
+/* One of 9 logit levels in [-1, 1] */
+static float random_level() { return static_cast<float>(rand() % 9) * 0.25f - 1.0f; }
+
 /* Routes kTokens random tokens per case (logits from a few levels, so that
  * ties are common, with NaN and +-inf sprinkled in) and prints one
- * fingerprint per case and one over all. */
+ * fingerprint per case (and of the split path where it applies) and one
+ * over all. */
 static void fingerprints()
 {
     constexpr int kTokens = 512;
     const int maxE = 384;
-    struct fcase {
-        int E, k;
-        mx_scoring scoring;
-        int renormalize, groups, topk_group, bias;
-        mx_dtype dtype;
-    };
-    const fcase cases[] = {
-        {8, 2, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},   {32, 4, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
-        {60, 6, MX_SCORING_SOFTMAX, 0, 0, 0, 0, MX_F32},  {64, 8, MX_SCORING_SIGMOID, 1, 4, 2, 0, MX_F16},
-        {128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32}, {128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
-        {128, 1, MX_SCORING_SOFTMAX, 0, 0, 0, 1, MX_F32}, {128, 40, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_F32},
-        {160, 6, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F16}, {256, 8, MX_SCORING_SIGMOID, 1, 8, 4, 1, MX_F32},
-        {256, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16}, {384, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
-        {128, 8, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_BF16}, {64, 6, MX_SCORING_SIGMOID, 0, 0, 0, 1, MX_F32},
-        {160, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F16},  {256, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F32},
-        {256, 16, MX_SCORING_SIGMOID, 1, 8, 2, 1, MX_F32},
+    const config cases[] = {
+        {"", 8, 2, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},    {"", 32, 4, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
+        {"", 60, 6, MX_SCORING_SOFTMAX, 0, 0, 0, 0, MX_F32},   {"", 64, 8, MX_SCORING_SIGMOID, 1, 4, 2, 0, MX_F16},
+        {"", 128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},  {"", 128, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16},
+        {"", 128, 1, MX_SCORING_SOFTMAX, 0, 0, 0, 1, MX_F32},  {"", 128, 40, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_F32},
+        {"", 160, 6, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F16},  {"", 256, 8, MX_SCORING_SIGMOID, 1, 8, 4, 1, MX_F32},
+        {"", 256, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_BF16}, {"", 384, 8, MX_SCORING_SOFTMAX, 1, 0, 0, 0, MX_F32},
+        {"", 128, 8, MX_SCORING_SIGMOID, 1, 0, 0, 1, MX_BF16}, {"", 64, 6, MX_SCORING_SIGMOID, 0, 0, 0, 1, MX_F32},
+        {"", 160, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F16},  {"", 256, 8, MX_SCORING_SIGMOID, 1, 0, 0, 0, MX_F32},
+        {"", 256, 16, MX_SCORING_SIGMOID, 1, 8, 2, 1, MX_F32},
     };
     std::vector<float> hl(static_cast<size_t>(kTokens) * maxE), hb(maxE);
     std::vector<uint16_t> h16(hl.size());
@@ -184,10 +213,10 @@ static void fingerprints()
     CHECK(cudaMalloc(&ids, kTokens * 64 * 4));
     uint64_t all = 1469598103934665603ull;
     srand(7);
-    for (const fcase &c : cases) {
+    for (const config &c : cases) {
         for (size_t i = 0; i < static_cast<size_t>(kTokens) * c.E; ++i) {
             const int r = rand() % 1000;
-            hl[i] = r == 0 ? NAN : r == 1 ? INFINITY : r == 2 ? -INFINITY : static_cast<float>(rand() % 9) * 0.25f - 1.0f;
+            hl[i] = r == 0 ? NAN : r == 1 ? INFINITY : r == 2 ? -INFINITY : random_level();
             uint32_t u;
             memcpy(&u, &hl[i], 4);
             const __half hh = __float2half(hl[i]);
@@ -200,52 +229,24 @@ static void fingerprints()
         else
             CHECK(cudaMemcpy(logits, h16.data(), static_cast<size_t>(kTokens) * c.E * 2, cudaMemcpyHostToDevice));
         CHECK(cudaMemcpy(bias, hb.data(), c.E * 4, cudaMemcpyHostToDevice));
-        mx_routing_problem p{};
-        p.num_tokens = kTokens;
-        p.num_experts = c.E;
-        p.top_k = c.k;
-        p.scoring = c.scoring;
-        p.renormalize = c.renormalize;
-        p.num_expert_group = c.groups;
-        p.topk_group = c.topk_group;
-        p.routed_scaling_factor = 2.5f;
-        p.logits_dtype = c.dtype;
-        p.router_logits = logits;
-        p.bias_dtype = MX_F32;
-        p.correction_bias = c.bias ? bias : nullptr;
-        p.topk_weights = w;
-        p.topk_ids = ids;
+        const mx_routing_problem p = problem_of(c, kTokens, 2.5f, logits, bias, w, ids);
+        const size_t n = static_cast<size_t>(kTokens) * c.k;
         route_pick_experts_per_lane(c.E, [&](auto epl) {
             route_tokens_kernel<decltype(epl)::value><<<kTokens, 32, route_warp_bytes(c.E)>>>(p);
             return 0;
         });
-        CHECK(cudaGetLastError());
-        CHECK(cudaDeviceSynchronize());
-        std::vector<float> hw(static_cast<size_t>(kTokens) * c.k);
-        std::vector<int32_t> hi(hw.size());
-        CHECK(cudaMemcpy(hw.data(), w, hw.size() * 4, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(hi.data(), ids, hi.size() * 4, cudaMemcpyDeviceToHost));
-        uint64_t h = fingerprint(hw.data(), hw.size() * 4, 1469598103934665603ull);
-        h = fingerprint(hi.data(), hi.size() * 4, h);
-        all = fingerprint(&h, sizeof h, all);
+        const routed one(w, ids, n);
+        all = fingerprint(&one.print, sizeof one.print, all);
         printf("fingerprint E %3d k %2d %s renorm %d groups %d/%d bias %d dtype %d: %016llx\n", c.E, c.k,
                c.scoring == MX_SCORING_SOFTMAX ? "softmax" : "sigmoid", c.renormalize, c.groups, c.topk_group, c.bias,
-               static_cast<int>(c.dtype), static_cast<unsigned long long>(h));
+               static_cast<int>(c.dtype), static_cast<unsigned long long>(one.print));
         if (route_split_usable(&p)) {
             CHECK(cudaMemset(w, 0xff, kTokens * 64 * 4));
             route_split_tokens_kernel<<<kTokens, c.E, route_warp_bytes(c.E)>>>(p);
-            CHECK(cudaGetLastError());
-            CHECK(cudaDeviceSynchronize());
-            std::vector<float> sw(hw.size());
-            std::vector<int32_t> si(hi.size());
-            CHECK(cudaMemcpy(sw.data(), w, sw.size() * 4, cudaMemcpyDeviceToHost));
-            CHECK(cudaMemcpy(si.data(), ids, si.size() * 4, cudaMemcpyDeviceToHost));
-            const bool same = memcmp(sw.data(), hw.data(), sw.size() * 4) == 0 && memcmp(si.data(), hi.data(), si.size() * 4) == 0;
-            uint64_t hs = fingerprint(sw.data(), sw.size() * 4, 1469598103934665603ull);
-            hs = fingerprint(si.data(), si.size() * 4, hs);
-            all = fingerprint(&hs, sizeof hs, all);
-            printf("  split (E / 32 warps): %016llx, %s the one-warp path's bits\n", static_cast<unsigned long long>(hs),
-                   same ? "equal to" : "DIFFERENT FROM");
+            const routed split(w, ids, n);
+            all = fingerprint(&split.print, sizeof split.print, all);
+            printf("  split (E / 32 warps): %016llx, %s the one-warp path's bits\n",
+                   static_cast<unsigned long long>(split.print), split == one ? "equal to" : "DIFFERENT FROM");
         }
     }
     printf("fingerprint of all cases: %016llx\n", static_cast<unsigned long long>(all));
@@ -293,7 +294,7 @@ int main()
         {"E256 k8 sigmoid g8/4 bias (dsv3)", 256, 8, MX_SCORING_SIGMOID, 1, 8, 4, 1, MX_F32},
     };
     for (const config &c : cs) {
-        float *lg = c.dtype == MX_BF16 ? static_cast<float *>(logits_bf) : logits;
+        const void *lg = c.dtype == MX_BF16 ? logits_bf : logits;
         route_pick_experts_per_lane(c.E, [&](auto epl) {
             run<decltype(epl)::value>(c, lg, bias, w, ids, cyc, ns);
             return 0;

@@ -4,10 +4,11 @@
  * check both launchers run first.
  *
  * Up to kRouteRegExperts experts a lane keeps its experts' scores and choices
- * in registers (route_token_regs): the k arg-max rounds are register
- * compares and shuffles, and shared memory holds only what lanes exchange
- * (the group step's choices, the chosen slots). Beyond, every row lives in
- * shared memory (route_scores, route_select_warp). Both give the same bits. */
+ * in registers (route_token_regs): the k arg-max rounds are two warp
+ * reductions over 32-bit keys (route_key), and shared memory holds only what
+ * lanes exchange (the group step's choices, the chosen slots). Beyond, every
+ * row lives in shared memory (route_scores, route_select_warp). Both give the
+ * same bits (benchmarks/route_probe.cu fingerprints them). */
 #ifndef MOE_EXT_CUDA_ROUTE_TOKEN_CUH
 #define MOE_EXT_CUDA_ROUTE_TOKEN_CUH
 

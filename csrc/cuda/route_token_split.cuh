@@ -90,7 +90,8 @@ __device__ __forceinline__ void route_token_split(const mx_routing_problem &p, i
         weight[i] = n < W * k ? cand_weight[n] : 0.0f;
     }
     float wsum = 0.0f;
-    for (int j = 0; j < k; ++j) { /* route_token_regs' rounds; the ids are not in lane order, so the lowest is reduced */
+    /* route_token_regs' rounds; the ids are not in lane order, so the lowest is reduced */
+    for (int j = 0; j < k; ++j) {
         uint32_t mine = key[0];
 #pragma unroll
         for (int i = 1; i < kSplitMergePerLane; ++i)
