@@ -127,17 +127,22 @@ def test_sort_padding_rows_over_stale_memory(e, k, pairs, gen):
         check(out[:1], want[:1], margin[:1], torch.bfloat16)  # pair 0's token: row by row
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["normal", "tied"])
 @pytest.mark.parametrize("m", [1, 5])
-def test_split_routing_without_groups(m, gen):
+def test_split_routing_without_groups(m, tied, gen):
     """Sigmoid scoring, 192 experts, no groups: up to 5 tokens each takes 6 warps
-    (route_align_split_kernel); the same bits as select_experts' warp per token."""
+    (route_align_split_kernel); the same bits as select_experts' warp per token, also where
+    logits from 9 levels tie across the warps' candidate lists (ties go to the lower expert)."""
     routing = dict(scoring_func="sigmoid", top_k=6)
     layer, _, reference = cuda_case(gen, torch.bfloat16, 192, routing, False, h=64, i=32)
     x = randn(gen, m, 64, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, m, 192, device="cuda", scale=2.0)
-    want, margin = reference(x, logits)
+    if tied:
+        logits = (torch.randint(0, 9, (m, 192), generator=gen).float() * 0.25 - 1.0).cuda()
     out = layer(x, logits)
-    check(out, want, margin, torch.bfloat16)
+    if not tied:  # with ties the float64 reference may order equal scores differently
+        want, margin = reference(x, logits)
+        check(out, want, margin, torch.bfloat16)
     names = kernels_of(lambda: layer(x, logits))
     assert any("route_align_split_kernel" in n for n in names), names
     weights, ids = layer.select_experts(x, logits, 6, False, layer.renormalize, scoring_func="sigmoid")
