@@ -18,17 +18,9 @@
 #include <cstring>
 #include <vector>
 
+#include "probe_check.cuh"
 #include "route_token.cuh"
 #include "route_token_split.cuh"
-
-#define CHECK(call)                                                                                                 \
-    do {                                                                                                            \
-        cudaError_t e_ = (call);                                                                                    \
-        if (e_ != cudaSuccess) {                                                                                    \
-            printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__);                                 \
-            exit(1);                                                                                                \
-        }                                                                                                           \
-    } while (0)
 
 constexpr int kReps = 16;
 

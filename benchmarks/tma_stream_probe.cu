@@ -18,16 +18,8 @@
 #include <functional>
 #include <vector>
 
+#include "probe_check.cuh"
 #include "sm90_common.cuh" /* the decode kernel's own mbarrier, TMA and tensor-map helpers */
-
-#define CHECK(call)                                                                                                 \
-    do {                                                                                                            \
-        cudaError_t e_ = (call);                                                                                    \
-        if (e_ != cudaSuccess) {                                                                                    \
-            printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__);                                 \
-            exit(1);                                                                                                \
-        }                                                                                                           \
-    } while (0)
 
 /* A CTA per tile of ROWS rows x K; a stage: ROWS rows x KCH k blocks, as
  * ROWS / BOXR x KCH boxes, a row group's k blocks issued together. Thread 0

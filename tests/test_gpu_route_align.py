@@ -136,9 +136,10 @@ def test_split_routing_without_groups(m, tied, gen):
     routing = dict(scoring_func="sigmoid", top_k=6)
     layer, _, reference = cuda_case(gen, torch.bfloat16, 192, routing, False, h=64, i=32)
     x = randn(gen, m, 64, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, 192, device="cuda", scale=2.0)
     if tied:
         logits = (torch.randint(0, 9, (m, 192), generator=gen).float() * 0.25 - 1.0).cuda()
+    else:
+        logits = randn(gen, m, 192, device="cuda", scale=2.0)
     out = layer(x, logits)
     if not tied:  # with ties the float64 reference may order equal scores differently
         want, margin = reference(x, logits)

@@ -193,8 +193,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *act_scale = reinterpret_cast<float *>(ws + plan.off_act_scale);
     float *y = reinterpret_cast<float *>(ws + plan.off_y);
 
-    st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles,
-                                           pair_rows, stream);
+    st = mx_cuda_route_and_align(p, plan.block_m, align_ws, sorted_ids, tile_expert, num_tiles, pair_rows,
+                                 stream);
     if (st.code != MX_OK)
         return st;
 
