@@ -143,6 +143,15 @@ template <int EPL> void run(const config &c, const void *logits, const float *bi
     print_times(c.name, path, cyc, ns);
 }
 
+/* v's bfloat16 bits, truncated (the probe's logits are exact in bfloat16,
+ * or only timed) */
+static uint16_t bf16_bits(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return static_cast<uint16_t>(u >> 16);
+}
+
 /* FNV-1a over bytes, continuing from h. */
 static uint64_t fingerprint(const void *data, size_t bytes, uint64_t h)
 {
@@ -209,10 +218,8 @@ static void fingerprints()
         for (size_t i = 0; i < static_cast<size_t>(kTokens) * c.E; ++i) {
             const int r = rand() % 1000;
             hl[i] = r == 0 ? NAN : r == 1 ? INFINITY : r == 2 ? -INFINITY : random_level();
-            uint32_t u;
-            memcpy(&u, &hl[i], 4);
             const __half hh = __float2half(hl[i]);
-            h16[i] = c.dtype == MX_BF16 ? static_cast<uint16_t>(u >> 16) : *reinterpret_cast<const uint16_t *>(&hh);
+            h16[i] = c.dtype == MX_BF16 ? bf16_bits(hl[i]) : *reinterpret_cast<const uint16_t *>(&hh);
         }
         for (int e = 0; e < c.E; ++e)
             hb[e] = static_cast<float>(rand() % 5) * 0.125f;
@@ -254,11 +261,7 @@ int main()
         hb[i] = static_cast<float>(rand()) / RAND_MAX * 0.1f;
     }
     std::vector<uint16_t> hbf(maxE);
-    for (int i = 0; i < maxE; ++i) {
-        uint32_t u;
-        memcpy(&u, &hl[i], 4);
-        hbf[i] = static_cast<uint16_t>(u >> 16);
-    }
+    std::transform(hl.begin(), hl.end(), hbf.begin(), bf16_bits);
     float *logits, *bias, *w;
     void *logits_bf;
     int32_t *ids;
