@@ -117,7 +117,11 @@ mx_status mx_launch_tile_grid(Kernel kernel, Args g, int64_t m_tiles, int64_t n_
  * mx_griddep_wait() before it reads anything the previous kernel writes or
  * writes anything that kernel reads; mx_griddep_launch_dependents() only after
  * its own wait. So when a kernel starts, every kernel before the previous one
- * has completed, and it may read their outputs before waiting. Both calls are
+ * has completed, and it may read their outputs before waiting. One exception:
+ * the per-tensor FP8 act quantizer at decode triggers before it waits
+ * (mx_fp8_row_filter.early_dependents), so GEMM2 may start while GEMM1 runs;
+ * GEMM2 reads only the tile table, sorted ids and routing weights (written
+ * before GEMM1 started) and its weights before its wait. Both calls are
  * no-ops in a kernel launched plainly, and below sm_90. */
 __device__ __forceinline__ void mx_griddep_wait()
 {

@@ -73,6 +73,16 @@
 
 namespace {
 
+/* The per-tensor act quantizer lets GEMM2 launch before it waits for GEMM1
+ * (fp8.cuh mx_fp8_row_filter.early_dependents) up to this many pairs: GEMM2's
+ * first weight stages then load during GEMM1's tail. Against waiting first,
+ * H200, two rounds (logs/2026-11-27-nvidia-h200-ab-act-quant-early-
+ * dependents.txt): qwen3moe fp8_tensor M = 8 / 32 / 64 -2.9 / -2.4 / -0.9%,
+ * Mixtral M = 1 / 8 -2.3 / -1.6%, DeepSeek-V3 M = 1 / 8 -1.4 / -0.6%; past
+ * it the quantizer's own rows lose more to that traffic than the head start
+ * gains (qwen3moe M = 128 / 256 / 512 +0.7 / +0.2 / +0.4%). */
+constexpr int64_t kActQuantEarlyDependentsMaxPairs = 512;
+
 typedef struct fp8_plan {
     int tile_config; /* mx_fp8_tile_config */
     int block_m;
@@ -276,6 +286,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         sorted.sorted_ids = sorted_ids;
         sorted.num_tiles = num_tiles;
         sorted.block_m = plan.block_m;
+        sorted.early_dependents = plan.pairs <= kActQuantEarlyDependentsMaxPairs;
         if (block)
             st = mx_cuda_fp8_rows_quant_group(act, p->act_dtype, plan.rows_max, I, plan.ld_act, kFp8Block, &sorted,
                                               act_q, plan.ld_aq, act_scale, plan.act_blocks, stream);

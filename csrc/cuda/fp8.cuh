@@ -158,6 +158,10 @@ typedef struct mx_fp8_row_filter {
      * that are >= 0 (the sorted rows of its local pairs: GEMM1's A in sorted
      * order, moe_align's pair_rows), not row t; scales stay by row t */
     const int32_t *dest_rows;
+    /* rows_quant_tensor_kernel only: let the kernel after it launch before
+     * this one waits for the kernel ahead (common.cuh, the act quantizer's
+     * exception) */
+    int early_dependents;
 } mx_fp8_row_filter;
 
 /* Arguments of an FP8 grouped GEMM launch (grouped_gemm_fp8.cuh). Rows are
