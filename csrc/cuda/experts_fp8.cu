@@ -77,10 +77,11 @@ namespace {
  * (fp8.cuh mx_fp8_row_filter.early_dependents) up to this many pairs: GEMM2's
  * first weight stages then load during GEMM1's tail. Against waiting first,
  * H200, two rounds (logs/2026-11-27-nvidia-h200-ab-act-quant-early-
- * dependents.txt): qwen3moe fp8_tensor M = 8 / 32 / 64 -2.9 / -2.4 / -0.9%,
- * Mixtral M = 1 / 8 -2.3 / -1.6%, DeepSeek-V3 M = 1 / 8 -1.4 / -0.6%; past
- * it the quantizer's own rows lose more to that traffic than the head start
- * gains (qwen3moe M = 128 / 256 / 512 +0.7 / +0.2 / +0.4%). */
+ * dependents.txt, call 6): qwen3moe fp8_tensor M = 8 / 32 / 64 -3.3 / -2.9 /
+ * -1.3%, Mixtral M = 1 / 8 / 32 -3.6 / -1.4 / -0.8%, DeepSeek-V3 M = 1 / 8
+ * -1.3 / -0.7%. Past it the quantizer's own rows lose more to that traffic
+ * than the head start gains: without the limit (call 5) qwen3moe M = 128 /
+ * 256 / 512 +0.7 / +0.2 / +0.4%. */
 constexpr int64_t kActQuantEarlyDependentsMaxPairs = 512;
 
 typedef struct fp8_plan {
