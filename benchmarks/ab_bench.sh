@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A/B of builds of the extension in one device call: bench_moe.py over the same points with each
+# build in turn, the builds alternating within every round, each run's JSON and log packed into
+# $OUT/ab.tgz after every run (a call cut short still returns what ran).
+# Usage, on the lent GPU from the repository root:
+#   bash benchmarks/ab_bench.sh "DIR..." ROUNDS "bench_moe.py args" ["bench_moe.py args" ...]
+# Each DIR holds _C.abi3.so.gz (gzip -c moe_ext/_C.abi3.so of a build made here and carried in the
+# working tree); it runs from a copy of moe_ext/*.py beside that module. Read the result with
+#   mkdir r && tar xzf ab.tgz -C r && python3 benchmarks/ab_compare.py r A B
+set -u
+out="${OUT:-ab_out}"
+runs="$out/runs"
+mkdir -p "$runs"
+builds="$1"
+rounds="$2"
+shift 2
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
+for dir in $builds; do
+  name=$(basename "$dir")
+  mkdir -p "/tmp/ab_builds/$name/moe_ext"
+  cp moe_ext/*.py "/tmp/ab_builds/$name/moe_ext/"
+  gunzip -c "$dir/_C.abi3.so.gz" > "/tmp/ab_builds/$name/moe_ext/_C.abi3.so"
+done
+for round in $(seq 1 "$rounds"); do
+  for dir in $builds; do
+    name=$(basename "$dir")
+    for spec in "$@"; do
+      tag=$(echo "$spec" | tr -c 'a-z0-9\n' '_' | cut -c1-40)
+      file="$runs/$name-r$round-$tag"
+      # word splitting of $spec is wanted: it is a list of bench_moe.py arguments
+      # shellcheck disable=SC2086
+      PYTHONPATH="/tmp/ab_builds/$name" python3 benchmarks/bench_moe.py $spec --baselines '' \
+        --out "$file.json" > "$file.log" 2>&1 || tail -5 "$file.log"
+      tar czf "$out/ab.tgz" -C "$runs" .
+      echo "$name round $round: $tag $(date +%T)"
+    done
+  done
+done
