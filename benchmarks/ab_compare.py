@@ -9,8 +9,9 @@ import argparse
 import collections
 import glob
 import json
-import math
 import os
+
+from compare_anchor import geometric_mean
 
 
 def load(directory):
@@ -41,8 +42,7 @@ def main():
         print(f"{point[0]:<12} {point[1]:<10} {point[2]:6d}  {args.a} {ta:9.1f}  {args.b} {tb:9.1f}  "
               f"{tb / ta:.4f}   [{rounds}]")
     if ratios:
-        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        print(f"geomean {args.b}/{args.a} over {len(ratios)}: {geo:.4f}")
+        print(f"geomean {args.b}/{args.a} over {len(ratios)}: {geometric_mean(ratios):.4f}")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,20 @@ __device__ __forceinline__ void mx_griddep_launch_dependents()
 #endif
 }
 
+/* The rule's wait, then the trigger; dependents_first: the trigger first
+ * (the exception above, for kernels whose dependents read nothing of the
+ * kernel before them before their own wait). */
+__device__ __forceinline__ void mx_griddep_enter(bool dependents_first)
+{
+    if (dependents_first) {
+        mx_griddep_launch_dependents();
+        mx_griddep_wait();
+    } else {
+        mx_griddep_wait();
+        mx_griddep_launch_dependents();
+    }
+}
+
 /* Launches kernel(args...) with programmatic stream serialization, in
  * clusters of cluster_x CTAs along x (grid.x a multiple of it; 1: no
  * clusters). Callers use it on Hopper only: mx_cuda_sm90_gemm_available(). */

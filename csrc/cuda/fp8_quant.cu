@@ -397,13 +397,7 @@ __global__ void __launch_bounds__(kQuantThreads)
                              const uint32_t *__restrict__ amax_bits, uint8_t *__restrict__ q, int64_t ldq,
                              float *__restrict__ scale)
 {
-    if (f.early_dependents) {
-        mx_griddep_launch_dependents();
-        mx_griddep_wait();
-    } else {
-        mx_griddep_wait();
-        mx_griddep_launch_dependents();
-    }
+    mx_griddep_enter(f.early_dependents);
     /* the tensor's amax: the partial maxima spread over the whole block (at
      * most kAmaxParts / kQuantThreads loads a thread, all issued together),
      * or the atomic amax */
