@@ -24,8 +24,11 @@ done
 for round in $(seq 1 "$rounds"); do
   for dir in $builds; do
     name=$(basename "$dir")
+    i=0
     for spec in "$@"; do
-      tag=$(echo "$spec" | tr -c 'a-z0-9\n' '_' | cut -c1-40)
+      i=$((i + 1))
+      # the spec's index first: two specs alike in their first 40 characters stay two files
+      tag="s${i}_$(echo "$spec" | tr -c 'a-z0-9\n' '_' | cut -c1-40)"
       file="$runs/$name-r$round-$tag"
       # word splitting of $spec is wanted: it is a list of bench_moe.py arguments
       # shellcheck disable=SC2086

@@ -74,8 +74,11 @@
 namespace {
 
 /* The per-tensor act quantizer lets GEMM2 launch before it waits for GEMM1
- * (fp8.cuh mx_fp8_row_filter.early_dependents) up to this many pairs: GEMM2's
- * first weight stages then load during GEMM1's tail. Against waiting first,
+ * (fp8.cuh mx_fp8_row_filter.early_dependents) where GEMM2 is the Hopper
+ * decode kernel, the one GEMM2 launched dependent (the persistent and
+ * mma.sync kernels are launched plainly, so the trigger would start nothing),
+ * up to this many pairs: GEMM2's first weight stages then load during
+ * GEMM1's tail. Against waiting first,
  * H200, two rounds (logs/2026-11-27-nvidia-h200-ab-act-quant-early-
  * dependents.txt, call 6): qwen3moe fp8_tensor M = 8 / 32 / 64 -3.3 / -2.9 /
  * -1.3%, Mixtral M = 1 / 8 / 32 -3.6 / -1.4 / -0.8%, DeepSeek-V3 M = 1 / 8
@@ -287,7 +290,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
         sorted.sorted_ids = sorted_ids;
         sorted.num_tiles = num_tiles;
         sorted.block_m = plan.block_m;
-        sorted.early_dependents = plan.pairs <= kActQuantEarlyDependentsMaxPairs;
+        sorted.early_dependents =
+            !block && mx_tile_is_sm90_decode(plan.tile_config) && plan.pairs <= kActQuantEarlyDependentsMaxPairs;
         if (block)
             st = mx_cuda_fp8_rows_quant_group(act, p->act_dtype, plan.rows_max, I, plan.ld_act, kFp8Block, &sorted,
                                               act_q, plan.ld_aq, act_scale, plan.act_blocks, stream);
