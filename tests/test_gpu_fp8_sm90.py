@@ -1,7 +1,9 @@
 """FP8 layers with H, I multiples of 16, so that a Hopper GPU runs the FP8 wgmma kernels
 (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config): the persistent kernel from 64 rows per local
-expert, the decode kernel (16- / 32- / 48- / 64-token tiles, split-K) below; other GPUs run the
-mma.sync tiles through the same checks. A profiler trace shows which kernels ran.
+expert (its GEMM1 reading x_q by token below 128 rows per local expert, by sorted row from there:
+mx_fp8_sm90_gemm1_a_by_token), the decode kernel (16- / 32- / 48- / 64-token tiles, split-K)
+below; other GPUs run the mma.sync tiles through the same checks. A profiler trace shows which
+kernels ran.
 H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run.
 
 Per-tensor layers are checked with compare_tensor: the activation scale is the max over the
@@ -9,6 +11,8 @@ rounded activations, so the engine's GEMM landing one bf16 ulp away on that sing
 (wgmma's FP8 accumulation is not exact float32) re-rounds every activation on a grid shifted by
 0.4%, ~2% of the output (seen at M = 699: 0.0216 against the reference's own amax). The test
 accepts the reference with its amax one ulp up or down too, and prints all three errors."""
+import re
+
 import pytest
 import torch
 
@@ -25,6 +29,18 @@ DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
 WIDE_SHAPE = "mx_sm90_shape<256, 4, 1, 8>"  # the persistent kernel's 128x256 tiles
 NARROW_SHAPE = "mx_sm90_shape<128, 6, 1, 8>"  # its 128x128 tiles (block scales, gated GEMM1, I % 128 != 0)
+# the persistent FP8 GEMM1 (kinds 0-2; 3 is GEMM2): its last template argument, A_BY_TOKEN
+PERSISTENT_GEMM1_FP8 = re.compile(r"grouped_gemm_sm90_kernel<__nv_fp8_e4m3, .*mx_sm90_shape<[^>]*>, [012], [12], "
+                                  r"(true|false)>")
+
+
+def persistent_gemm1_reads_by_token(names, rows_per_expert):
+    """Checks that the persistent FP8 GEMM1 ran once and read its A rows as the rule says for
+    this many rows per local expert: by token below 128, by sorted row from there."""
+    forms = [m.group(1) for n in names for m in [PERSISTENT_GEMM1_FP8.search(n)] if m]
+    assert len(forms) == 1, f"one persistent FP8 GEMM1 expected: {names}"
+    want = "true" if rows_per_expert < 128 else "false"
+    assert forms[0] == want, f"{rows_per_expert} rows per expert: A_BY_TOKEN {forms[0]}, want {want}: {names}"
 
 
 def compare_tensor(layer, out, x, logits, cfg, what):
@@ -85,13 +101,15 @@ def test_fp8_prefill_single_ctas(method, gen):
 def test_fp8_block_persistent_y_layouts(cfg, i, gen):
     """Block scales on the persistent kernel: GEMM2 stores y by sorted row through TMA boxes up to
     I = 4096 (gemm_configs.cuh kSm90DownBoxesMaxK), by pair from the fragments past it, launched
-    without the boxes' shared memory (its barriers sit where the boxes would be)."""
+    without the boxes' shared memory (its barriers sit where the boxes would be). At 100 rows per
+    expert GEMM1 reads x_q by token, so y by sorted row is the only user of pair_rows."""
     e, k, h = 2, 2, 272
     layer = loaded(gen, "qwen", "block", torch.bfloat16, e, k, h, i, cfg)
     m = 100  # 100 rows per expert: the persistent kernel
     names = checked_forward(gen, layer, m, e, f"fp8 block {cfg[0]} I={i} M={m}", cfg=cfg)
     if on_hopper():
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+        persistent_gemm1_reads_by_token(names, m * k / e)
 
 
 @pytest.mark.parametrize("h,i,m,cfg", [(400, 256, 350, CONFIGS[0]), (1168, 384, 800, CONFIGS[1]),
@@ -109,8 +127,9 @@ def test_fp8_block_persistent_tile_widths(h, i, m, cfg, gen):
     if on_hopper():
         gemm1 = WIDE_SHAPE if i % 128 == 0 else NARROW_SHAPE
         gemm2 = WIDE_SHAPE if m * k >= 512 * e else NARROW_SHAPE
-        assert any(WGMMA_FP8 in n and f"{gemm1}, 0, 2>" in n for n in names), f"GEMM1 not on {gemm1}: {names}"
-        assert any(WGMMA_FP8 in n and f"{gemm2}, 3, 2>" in n for n in names), f"GEMM2 not on {gemm2}: {names}"
+        # both by sorted row (A_BY_TOKEN false) from 128 rows per expert
+        assert any(WGMMA_FP8 in n and f"{gemm1}, 0, 2, false>" in n for n in names), f"GEMM1 not on {gemm1}: {names}"
+        assert any(WGMMA_FP8 in n and f"{gemm2}, 3, 2, false>" in n for n in names), f"GEMM2 not on {gemm2}: {names}"
         # the wide gated GEMM1 quantizes act in its epilogue: x's group quantizer is the only one
         quantizers = [n for n in names if "group_quant" in n]
         assert len(quantizers) == (1 if gemm1 == WIDE_SHAPE else 2), names
@@ -131,8 +150,9 @@ def test_fp8_block_gated_unaligned_intermediate_falls_back(gen):
         assert not any(WGMMA_FP8 in n for n in names), f"unexpected FP8 wgmma kernel: {names}"
 
 
-# decode kernel: 16-token tiles (1 token), 16-, 32-, 48-, 64-token tiles; persistent kernel: 233
-@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 16, 30, 48, 233])
+# decode kernel: 16-token tiles (1 token), 16-, 32-, 48-, 64-token tiles; persistent kernel: 100
+# (GEMM1's A rows by token), 233 (by sorted row)
+@pytest.mark.parametrize("rows_per_expert", [0.5, 5, 16, 30, 48, 100, 233])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 @pytest.mark.parametrize("method", list(METHODS))
@@ -145,6 +165,7 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
         tile = expected_gemm_kernel(m * k / e)
         if tile == PERSISTENT_KERNEL:
             assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+            persistent_gemm1_reads_by_token(names, m * k / e)
         else:
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
             assert any(DECODE_DOWN_FP8 in n and tile in n for n in names), f"no {DECODE_DOWN_FP8} {tile}: {names}"
@@ -160,10 +181,12 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
 @pytest.mark.parametrize("m, x_offset", [(32, 0), (100, 0), (300, 0), (100, 1)])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
-    """Expert parallel on the persistent kernel: the x quantizer writes each token's row to the
-    sorted rows of its local pairs (moe_align's pair_rows), so the pairs of other ranks' experts
-    must get none. 4 of 64 experts local, top-8: the rule counts all M k pairs per local expert
-    (>= 64 from 32 tokens), while only about an eighth of the tokens have a local expert."""
+    """Expert parallel on the persistent kernel: from 128 rows per local expert (100 and 300
+    tokens) the x quantizer writes each token's row to the sorted rows of its local pairs
+    (moe_align's pair_rows), so the pairs of other ranks' experts must get none; at 32 tokens
+    (64 rows) GEMM1 reads x_q by token, rows of tokens without a local expert unwritten. 4 of 64
+    experts local, top-8: the rules count all M k pairs per local expert, while only about an
+    eighth of the tokens have a local expert."""
     e, k, h, i = 64, 8, 272, 192
     model, layer = fp8_model("qwen", method, "cuda", e=e, k=k, h=h, i=i, ep_size=16, ep_rank=5)
     ckpt, _ = checkpoint(gen, "qwen", e=e, h=h, i=i, dtype=torch.bfloat16)
@@ -174,6 +197,7 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
     if on_hopper():
         assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+        persistent_gemm1_reads_by_token(names, m * k / layer.local_num_experts)
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -19,12 +19,14 @@
  *                               rows of tokens with a local expert; also zeroes
  *                               act_amax) + rows_quant_tensor_kernel;
  *                               BLOCK: group_quant_kernel (x_scale [M, H/128]);
- *                               Hopper persistent configs: each token's q row
- *                               goes to the sorted rows of its local pairs
- *                               (by pair_rows), GEMM1's A for its TMA loads
+ *                               Hopper persistent configs from 128 rows per
+ *                               expert: each token's q row goes to the sorted
+ *                               rows of its local pairs (by pair_rows), GEMM1's
+ *                               A for its TMA loads
  *   4. GEMM1 (fp8)              act = act(x_q[token] @ w13[e].T * scales + b13),
- *                               (the persistent kernel reads x_q rows in sorted
- *                               order, the decode kernel by token)
+ *                               (the persistent kernel from 128 rows per expert
+ *                               reads x_q rows in sorted order, below that and
+ *                               the decode kernel by token)
  *                               rounded to the act dtype; TENSOR: atomic amax of act
  *   5. act -> act_q             TENSOR: rows_quant_tensor_kernel with the scale
  *                               from act_amax; BLOCK: group_quant_kernel
@@ -50,10 +52,10 @@
  *   partials         f32 [mx_fp8_amax_parts(M)]   TENSOR: amax of x per block
  *   tile_expert      int32 [tiles_max]
  *   sorted_ids       int32 [rows_max]
- *   pair_rows        int32 [M k]                  persistent SM90 configs: each pair's sorted row
+ *   pair_rows        int32 [M k]                  a_sorted or y_sorted: each pair's sorted row
  *   x_scaled         act [M, H]                   only with apply_router_weight_on_input
- *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16; persistent SM90
- *                                                 configs: [rows_max, ld_xq], rows in sorted order
+ *   x_q              fp8 [M, ld_xq]               ld_xq = H rounded up to 16; a_sorted:
+ *                                                 [rows_max, ld_xq], rows in sorted order
  *   x_scale          f32 [M, H/128]               BLOCK
  *   act              act [rows_max, ld_act]       ld_act = I rounded up to 8
  *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
@@ -94,7 +96,7 @@ typedef struct fp8_plan {
     int64_t ld_xq, ld_act, ld_aq, x_blocks, act_blocks;
     int down_splits;
     int64_t down_split_len;
-    bool a_sorted; /* the persistent SM90 configs: x quantized into GEMM1's sorted rows */
+    bool a_sorted; /* x quantized into GEMM1's sorted rows (mx_fp8_sm90_gemm1_a_by_token) */
     bool y_sorted; /* GEMM2 writes y by sorted row (moe_sum reads it through pair_rows) */
     int64_t y_rows;
     size_t off_align, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids, off_pair_rows,
@@ -123,8 +125,9 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->act_blocks = mx_ceil_div(I, kFp8Block);
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
-    plan->a_sorted = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
-    plan->y_sorted = plan->a_sorted && mx_sm90_down_by_sorted_row(p->quant, I);
+    const bool persistent = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
+    plan->a_sorted = persistent && !mx_fp8_sm90_gemm1_a_by_token(plan->pairs, local);
+    plan->y_sorted = persistent && mx_sm90_down_by_sorted_row(p->quant, I);
     plan->y_rows = plan->y_sorted ? plan->rows_max : plan->pairs;
     size_t at = 0;
     plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(plan->pairs, local));
@@ -133,7 +136,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
-    plan->off_pair_rows = mx_ws_take(&at, plan->a_sorted ? sizeof(int32_t) * plan->pairs : 0);
+    plan->off_pair_rows = mx_ws_take(&at, plan->a_sorted || plan->y_sorted ? sizeof(int32_t) * plan->pairs : 0);
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
     plan->off_x_q = mx_ws_take(&at, static_cast<size_t>((plan->a_sorted ? plan->rows_max : M) * plan->ld_xq));
     plan->off_x_scale = mx_ws_take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
@@ -198,7 +201,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *partials = reinterpret_cast<float *>(ws + plan.off_partials);
     int32_t *tile_expert = reinterpret_cast<int32_t *>(ws + plan.off_tile_expert);
     int32_t *sorted_ids = reinterpret_cast<int32_t *>(ws + plan.off_sorted_ids);
-    int32_t *pair_rows = plan.a_sorted ? reinterpret_cast<int32_t *>(ws + plan.off_pair_rows) : nullptr;
+    int32_t *pair_rows =
+        plan.a_sorted || plan.y_sorted ? reinterpret_cast<int32_t *>(ws + plan.off_pair_rows) : nullptr;
     void *x_scaled = ws + plan.off_x_scaled;
     uint8_t *x_q = ws + plan.off_x_q;
     float *x_scale = reinterpret_cast<float *>(ws + plan.off_x_scale);
@@ -228,7 +232,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     routed.top_k = p->top_k;
     routed.global_experts = p->global_num_experts;
     routed.local_experts = p->num_local_experts;
-    routed.dest_rows = pair_rows;
+    routed.dest_rows = plan.a_sorted ? pair_rows : nullptr;
     st = mx_cuda_fp8_quant_a(x, p->act_dtype, M, H, H, &routed, p->quant, partials, act_amax, x_q, plan.ld_xq,
                              block ? x_scale : x_tensor_scale, plan.x_blocks, stream);
     if (st.code != MX_OK)
@@ -238,6 +242,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     memset(&g1, 0, sizeof g1);
     g1.a = x_q;
     g1.lda = plan.ld_xq;
+    g1.a_sorted = plan.a_sorted;
     g1.a_scale = block ? x_scale : x_tensor_scale;
     g1.a_scale_ld = plan.x_blocks;
     g1.w = static_cast<const uint8_t *>(p->w13);
@@ -307,6 +312,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g2.act_q_scale = nullptr;
     g2.a = act_q;
     g2.lda = plan.ld_aq;
+    g2.a_sorted = 0;
     g2.a_scale = block ? act_scale : act_tensor_scale;
     g2.a_scale_ld = plan.act_blocks;
     g2.w = static_cast<const uint8_t *>(p->w2);

@@ -168,10 +168,12 @@ typedef struct mx_fp8_row_filter {
  * sorted positions s as in mx_gemm_args; with sorted_ids == NULL (LINEAR)
  * row s is row s of a and of out, for s < rows. */
 typedef struct mx_fp8_gemm_args {
-    const uint8_t *a;           /* fp8 [*, lda]: GEMM1 rows by token (pair / top_k; by s with the persistent
-                                   Hopper configs), GEMM2 by s, LINEAR by row;
+    const uint8_t *a;           /* fp8 [*, lda]: GEMM1 rows by token (pair / top_k; by s with a_sorted),
+                                   GEMM2 by s, LINEAR by row;
                                    16-byte aligned, zero from column k to the next multiple of 16 */
     int64_t lda;                /* multiple of 16 */
+    int a_sorted;               /* GEMM1 on the persistent Hopper configs: a by sorted row s (the quantizer
+                                   wrote each token's row to its pairs' rows), else by token */
     const float *a_scale;       /* TENSOR: [1]; BLOCK: [*, a_scale_ld], row as for a */
     int64_t a_scale_ld;         /* BLOCK: ceil(k / 128) */
     const uint8_t *w;           /* fp8 [E_local, n_rows, k] row-major */

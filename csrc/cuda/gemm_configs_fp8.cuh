@@ -161,6 +161,29 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
     return MX_FP8_TILE_SM90;
 }
 
+/* Where the persistent kernel's FP8 GEMM1 takes its A rows: below
+ * kFp8Sm90SortedRowsMinRowsPerExpert rows per local expert by token
+ * (x_q [M, H] as the quantizer writes it for the decode kernel, copied by
+ * the producer warpgroup with cp.async, as the 16-bit GEMM1 copies x), from
+ * there by sorted row (the quantizer writes each token's row to its pairs'
+ * sorted rows, loaded by TMA). Below 128 rows an expert's rows fill one m
+ * tile, about half of whose rows are padding: the sorted rows are twice the
+ * bytes written and read, while the by-token rows (M H bytes) stay in L2.
+ * Against sorted rows everywhere, two rounds (H100, 2026-11-27,
+ * logs/2026-11-27-nvidia-h100-ab-fp8-gemm1-rows-by-token.txt): qwen3moe
+ * fp8_tensor / fp8_block M = 1024 (64 rows per expert) -4.7 / -5.1%,
+ * Mixtral M = 256 (64) -1.3 / -1.0%; at 128 rows DeepSeek-V3 M = 4096
+ * +0.8 / -1.5%; from 256 rows slower where the tensor cores bound the
+ * GEMM (Mixtral M = 1024 / 4096 / 16384 +3.5 / +7.9 / +10.0% per tensor,
+ * DeepSeek-V3 M = 16384 +6.3%: the copies cannot feed the FP8 rate), only
+ * qwen3moe fp8_tensor M = 4096 faster (-1.7%). */
+constexpr int64_t kFp8Sm90SortedRowsMinRowsPerExpert = 128;
+
+static inline bool mx_fp8_sm90_gemm1_a_by_token(int64_t pairs, int64_t local_experts)
+{
+    return pairs < kFp8Sm90SortedRowsMinRowsPerExpert * (local_experts > 0 ? local_experts : 1);
+}
+
 /* Block scales on the persistent kernel: the 128x256 tiles (mx_tile_sm90,
  * 128-row weight boxes, each k block promoted per box) or the 128x128
  * tiles (mx_tile_sm90_n128, 64-row boxes, two product sets of the whole

@@ -13,18 +13,18 @@ namespace {
 
 template <typename T>
 mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
-                             int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+                             bool a_by_token, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 E4M3;
     if (quant == MX_QUANT_FP8_BLOCK) {
         if (mx_fp8_sm90_block_wide(kind == MX_GEMM_GATE_UP, kind == MX_GEMM_DOWN, g->out_cols, g->pairs, local_experts))
-            return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
-                                                                                      m_tiles, stream);
-        return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_n128, MX_QUANT_FP8_BLOCK>(g, sc, kind, local_experts,
-                                                                                       m_tiles, stream);
+            return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_BLOCK>(g, sc, kind, a_by_token,
+                                                                                      local_experts, m_tiles, stream);
+        return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_n128, MX_QUANT_FP8_BLOCK>(g, sc, kind, a_by_token,
+                                                                                       local_experts, m_tiles, stream);
     }
-    return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_TENSOR>(g, sc, kind, local_experts,
-                                                                               m_tiles, stream);
+    return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_TENSOR>(g, sc, kind, a_by_token,
+                                                                               local_experts, m_tiles, stream);
 }
 
 } /* namespace */
@@ -43,6 +43,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
                               mx_dtype_name(f->out_dtype));
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
+    if (f->a_sorted && (decode || kind == MX_GEMM_DOWN))
+        return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: A by sorted row is a persistent GEMM1 form");
     if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
@@ -87,6 +89,6 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
                                                 m_tiles, stream);
     if (f->out_dtype == MX_BF16)
-        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, local_experts, m_tiles, stream);
-    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, local_experts, m_tiles, stream);
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, !f->a_sorted, local_experts, m_tiles, stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, !f->a_sorted, local_experts, m_tiles, stream);
 }

@@ -8,11 +8,12 @@
  * act dtype T for outputs and biases):
  *   A  [rows, K] by sorted row s. GEMM2: act [rows_max, ld_act] as written by
  *      GEMM1, by TMA. GEMM1: the token gather x[pair / top_k] cannot be a
- *      tensor map; 16-bit operands: the producer warpgroup copies the rows
- *      from x with cp.async into the TMA box's swizzled layout; FP8: the x
- *      quantizer has written each token's row to its pairs' sorted rows
- *      (experts_fp8.cu), loaded by TMA (sm90_rows_from_x says which and
- *      why).
+ *      tensor map; the producer warpgroup copies the rows from x (16-bit)
+ *      or x_q (FP8 at few rows per expert) with cp.async into the TMA box's
+ *      swizzled layout; FP8 from more rows per expert: the x quantizer has
+ *      written each token's row to its pairs' sorted rows (experts_fp8.cu),
+ *      loaded by TMA (the kernel's A_BY_TOKEN says which; the kernel
+ *      comment says why).
  *   W  [E_local, n_rows, K]: w13 or w2, one 3-D tensor map, so the rows of
  *      one expert past n_rows read as zero.
  *   Both maps: box = 128 bytes of K (the swizzle span: 64 16-bit or 128 fp8
@@ -735,22 +736,20 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
 
 /* ---- kernels ----------------------------------------------------------------------- */
 
-/* GEMM1 kinds with 16-bit operands copy their A rows from x by token
- * inside the kernel (cp.async by the producer warpgroup); FP8 GEMM1 loads
- * them by TMA from rows the x quantizer wrote in sorted order. Measured
+/* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
+ * mode); T: act / bias type. A_BY_TOKEN (GEMM1 kinds only): the producer
+ * warpgroup copies the A rows by token, x[pair / top_k] (16-bit: always) or
+ * x_q's (FP8), with cp.async; else thread 0 TMA-loads them by sorted row
+ * (FP8: rows the x quantizer wrote in sorted order; GEMM2: act). Measured
  * when FP8 still gathered its quantized rows with a kernel of their own,
  * the copies against that gather, H100 at 2026-11-25
- * (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two rounds): qwen3moe bf16 forwards -8..-9% at M = 1024..16384, gpt-oss bf16
- * -11% at M = 4096 and -1.5% at 16384, Mixtral bf16 +0.8%; FP8 GEMM1
- * slowed 13-14% (Mixtral fp8_tensor, DeepSeek-V3 fp8_block at M = 16384:
- * forwards +3..5%), so FP8 kept its sorted rows. */
-template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int kind)
-{
-    return kind != MX_GEMM_DOWN && sizeof(TA) == 2;
-}
-
-/* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
- * mode); T: act / bias type. With 128x128 block scales (kBlockScales) each
+ * (logs/2026-11-25-nvidia-h100-ab-rows-from-x.txt, two rounds): qwen3moe
+ * bf16 forwards -8..-9% at M = 1024..16384, gpt-oss bf16 -11% at M = 4096
+ * and -1.5% at 16384, Mixtral bf16 +0.8%; FP8 GEMM1 slowed 13-14%
+ * (Mixtral fp8_tensor, DeepSeek-V3 fp8_block at M = 16384: forwards
+ * +3..5%), so FP8 reads sorted rows from 128 rows per expert
+ * (gemm_configs_fp8.cuh mx_fp8_sm90_gemm1_a_by_token has the rule and its
+ * measurements). With 128x128 block scales (kBlockScales) each
  * k block (128 fp8 columns, one scale block) is accumulated on its own and
  * promoted in registers: acc += part * sa[row, kb] * sw[nb, kb],
  * the scales of the thread's two rows and of the tile's two weight boxes
@@ -765,7 +764,7 @@ template <typename TA> __host__ __device__ constexpr bool sm90_rows_from_x(int k
  * one set of BN/4 (m64n128 wgmmas) and is promoted once retired, as the
  * per-tensor tiles promote (the other math warpgroup's wgmmas keep the
  * tensor cores busy meanwhile). */
-template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
                              const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
@@ -786,8 +785,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kTwoSets = kBlockScales && BN <= 128; /* two product sets of the whole tile fit */
-    constexpr bool kRowsFromX = sm90_rows_from_x<TA>(KIND); /* A rows by token, copied with cp.async */
-    static_assert(!kRowsFromX || QUANT == MX_QUANT_NONE, "the FP8 mainloops do not fence cp.async rows");
+    constexpr bool kRowsFromX = A_BY_TOKEN; /* A rows by token, copied with cp.async */
+    static_assert(!kRowsFromX || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
+    static_assert(kRowsFromX || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
@@ -956,6 +956,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 auto issue = [&](int kb, float(&p)[BN / 2]) {
                     const uint32_t n = it + kb, s = n % STAGES;
                     mbar_wait(full_bar(s), (n / STAGES) & 1u);
+                    if (kRowsFromX)
+                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(p);
                     wgmma_fence();
@@ -1038,6 +1040,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         slot[j] = (it + j) % STAGES;
                         mbar_wait(full_bar(slot[j]), ((it + j) / STAGES) & 1u);
                     }
+                    if (kRowsFromX)
+                        fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         float part[BN / 4];
@@ -1189,20 +1193,20 @@ int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads,
 }
 
 /* One GEMM over g.a [rows, K] (stride g.lda elements of TA: by sorted
- * row, or for sm90_rows_from_x kinds x by token) and g.w; the caller
- * checked the TMA preconditions. */
-template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+ * row, or with A_BY_TOKEN by token) and g.w; the caller checked the TMA
+ * preconditions. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN>
 mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts, int64_t m_tiles,
                       cudaStream_t stream)
 {
-    auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT>;
+    auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT, A_BY_TOKEN>;
     constexpr int BN = Shape::kBlockN;
     const int64_t n_tiles = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED
                                 ? mx_ceil_div(g.out_cols, BN / 2)
                                 : mx_ceil_div(g.n_rows, BN);
-    static const mx_kernel_name kernel_name("grouped_gemm_sm90_kernel<%s, %s, %dx%d, %s%s>", sm90_dtype<TA>::name(),
+    static const mx_kernel_name kernel_name("grouped_gemm_sm90_kernel<%s, %s, %dx%d, %s%s%s>", sm90_dtype<TA>::name(),
                                             sm90_dtype<T>::name(), Shape::kBlockM, BN, mx_gemm_kind_name(KIND),
-                                            sm90_quant_names[QUANT]);
+                                            sm90_quant_names[QUANT], A_BY_TOKEN ? ", A by token" : "");
     const char *name = kernel_name.text;
     if (m_tiles * n_tiles > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
@@ -1225,8 +1229,8 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     CUtensorMap map_a, map_w, map_out;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, &map_w, &st))
         return st;
-    if (sm90_rows_from_x<TA>(KIND))
-        map_a = map_w; /* not read: the kernel copies its A rows from x by token */
+    if (A_BY_TOKEN)
+        map_a = map_w; /* not read: the kernel copies its A rows by token */
     else if (!sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockM, Shape::kBlockM, g.k, &map_a, &st))
         return st;
     if (boxes) {
@@ -1271,24 +1275,39 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     return mx_check_launch(name);
 }
 
-/* The GEMM of `kind` on Shape's tiles. GEMM1 kinds read A by sorted row
- * (FP8: the quantizer's sorted rows, by TMA) or by token (16-bit:
- * sm90_rows_from_x); MX_GEMM_DOWN reads act. */
+/* GEMM1 of KIND with its A rows by token (16-bit: always) or, FP8 without
+ * a_by_token, by sorted row. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT>
+mx_status launch_sm90_gemm1(const mx_gemm_args &g, const mx_sm90_scales &sc, bool a_by_token, int64_t local_experts,
+                            int64_t m_tiles, cudaStream_t stream)
+{
+    if constexpr (sizeof(TA) == 1) {
+        if (!a_by_token)
+            return launch_sm90<TA, T, Shape, KIND, QUANT, false>(g, sc, local_experts, m_tiles, stream);
+    }
+    return launch_sm90<TA, T, Shape, KIND, QUANT, true>(g, sc, local_experts, m_tiles, stream);
+}
+
+/* The GEMM of `kind` on Shape's tiles. GEMM1 kinds read A by token or
+ * (FP8 without a_by_token) by sorted row (launch_sm90_gemm1); MX_GEMM_DOWN
+ * reads act by sorted row. */
 template <typename TA, typename T, typename Shape, int QUANT>
-mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind,
+mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, bool a_by_token,
                                   int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
 {
     if (m_tiles <= 0)
         return mx_status_ok();
     switch (kind) {
     case MX_GEMM_GATE_UP:
-        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, a_by_token, local_experts, m_tiles,
+                                                                       stream);
     case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, a_by_token, local_experts,
+                                                                                   m_tiles, stream);
     case MX_GEMM_UP:
-        return launch_sm90<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, a_by_token, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
-        return launch_sm90<TA, T, Shape, MX_GEMM_DOWN, QUANT>(*g, sc, local_experts, m_tiles, stream);
+        return launch_sm90<TA, T, Shape, MX_GEMM_DOWN, QUANT, false>(*g, sc, local_experts, m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: unknown kind %d", (int)kind);
 }
@@ -1302,10 +1321,10 @@ mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_c
     memset(&none, 0, sizeof none);
     switch (tile_config) {
     case MX_TILE_SM90:
-        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, local_experts, m_tiles,
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90, MX_QUANT_NONE>(g, none, kind, true, local_experts, m_tiles,
                                                                            stream);
     case MX_TILE_SM90_PAIR:
-        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pair, MX_QUANT_NONE>(g, none, kind, local_experts,
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pair, MX_QUANT_NONE>(g, none, kind, true, local_experts,
                                                                                 m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: tile config %d is not an sm90 config", tile_config);
