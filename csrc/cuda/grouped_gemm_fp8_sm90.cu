@@ -41,10 +41,10 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     if (f->out_dtype != MX_BF16 && f->out_dtype != MX_F16)
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: act dtype %s not compiled",
                               mx_dtype_name(f->out_dtype));
-    /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
-     * 128-row scale block with block scales */
     if (f->a_sorted && (decode || kind == MX_GEMM_DOWN))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: A by sorted row is a persistent GEMM1 form");
+    /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
+     * 128-row scale block with block scales */
     if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");

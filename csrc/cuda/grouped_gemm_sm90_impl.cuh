@@ -785,9 +785,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kTwoSets = kBlockScales && BN <= 128; /* two product sets of the whole tile fit */
-    constexpr bool kRowsFromX = A_BY_TOKEN; /* A rows by token, copied with cp.async */
-    static_assert(!kRowsFromX || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
-    static_assert(kRowsFromX || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
+    static_assert(!A_BY_TOKEN || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
+    static_assert(A_BY_TOKEN || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
@@ -799,7 +798,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar(s), kRowsFromX ? 1 + 128 : 1); /* the TMA thread, and each producer thread's copies */
+            mbar_init(full_bar(s), A_BY_TOKEN ? 1 + 128 : 1); /* the TMA thread, and each producer thread's copies */
             mbar_init(empty_bar(s), Shape::kMathWarps * CM); /* every math warp of the cluster */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -826,15 +825,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int wg = threadIdx.x / 128;
 
     if (wg == Shape::kMathWarpgroups) {
-        /* producer warpgroup: thread 0 issues the TMA loads; for 16-bit GEMM1
-         * all 128 copy the A rows from x with cp.async, thread t the 16-byte
+        /* producer warpgroup: thread 0 issues the TMA loads; with A_BY_TOKEN
+         * all 128 copy the A rows by token with cp.async, thread t the 16-byte
          * chunk t % 8 of rows t / 8 + 16 j (so a warp's copy covers 4 whole
          * 128-byte row segments) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::kProducerRegs));
         const int pt = threadIdx.x % 128;
-        if (kRowsFromX || pt == 0) {
+        if (A_BY_TOKEN || pt == 0) {
             if (pt == 0) {
-                if (!kRowsFromX)
+                if (!A_BY_TOKEN)
                     tma_prefetch_map(&tma_a);
                 tma_prefetch_map(&tma_w);
             }
@@ -858,12 +857,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 const int a_row = (own >= 0 ? mt : mt - 1) * BM;
                 const int c = kGated ? nt * (BN / 2) : nt * BN;
                 const int row0 = c, row1 = kGated ? static_cast<int>(g.out_cols) + c : c + BN / 2; /* box rows */
-                /* GEMM1: the tokens of this thread's rows, -1 for padding and phantom rows */
-                int32_t token[kRowsFromX ? BM / 16 : 1];
+                /* A by token: the tokens of this thread's rows, -1 for padding and phantom rows */
+                int32_t token[A_BY_TOKEN ? BM / 16 : 1];
 #pragma unroll
-                for (int j = 0; j < (kRowsFromX ? BM / 16 : 1); ++j) {
+                for (int j = 0; j < (A_BY_TOKEN ? BM / 16 : 1); ++j) {
                     const int64_t srow = static_cast<int64_t>(a_row) + pt / 8 + 16 * j;
-                    const int32_t pair = kRowsFromX && own >= 0 ? g.sorted_ids[srow] : -1;
+                    const int32_t pair = A_BY_TOKEN && own >= 0 ? g.sorted_ids[srow] : -1;
                     token[j] = pair >= 0 ? pair / g.top_k : -1;
                 }
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -871,8 +870,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     mbar_wait(empty_bar(s), phase ^ 1u); /* a fresh barrier passes parity 1 at once */
                     const uint32_t a_dst = base + s * STAGE_BYTES, w_dst = a_dst + A_BYTES;
                     if (pt == 0) {
-                        mbar_arrive_expect_tx(full_bar(s), kRowsFromX ? STAGE_BYTES - A_BYTES : STAGE_BYTES);
-                        if (!kRowsFromX)
+                        mbar_arrive_expect_tx(full_bar(s), A_BY_TOKEN ? STAGE_BYTES - A_BYTES : STAGE_BYTES);
+                        if (!A_BY_TOKEN)
                             tma_load_2d(a_dst, &tma_a, full_bar(s), kb * BK, a_row);
                         if (multicast) {
                             tma_load_3d_multicast(w_dst + rank * HALF_W_BYTES, &tma_w, full_bar(s), kb * BK,
@@ -882,7 +881,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                             tma_load_3d(w_dst + HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
                         }
                     }
-                    if (kRowsFromX) {
+                    if (A_BY_TOKEN) {
                         /* the TMA box's layout (sw128_offset); chunks past K and rows
                          * without a token zero-filled */
                         const int q = pt % 8;
@@ -956,7 +955,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 auto issue = [&](int kb, float(&p)[BN / 2]) {
                     const uint32_t n = it + kb, s = n % STAGES;
                     mbar_wait(full_bar(s), (n / STAGES) & 1u);
-                    if (kRowsFromX)
+                    if (A_BY_TOKEN)
                         fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(p);
@@ -1040,7 +1039,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         slot[j] = (it + j) % STAGES;
                         mbar_wait(full_bar(slot[j]), ((it + j) / STAGES) & 1u);
                     }
-                    if (kRowsFromX)
+                    if (A_BY_TOKEN)
                         fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -1079,7 +1078,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(full_bar(s), phase);
-                    if (kRowsFromX)
+                    if (A_BY_TOKEN)
                         fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
                     const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(acc);
