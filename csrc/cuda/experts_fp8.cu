@@ -104,6 +104,9 @@ typedef struct fp8_plan {
     size_t total_bytes;
 } fp8_plan;
 
+/* moe_align writes pair_rows for the x quantizer's sorted rows or for moe_sum's y by sorted row */
+inline bool plan_has_pair_rows(const fp8_plan &plan) { return plan.a_sorted || plan.y_sorted; }
+
 /* shapes allow 16-byte weight loads (the pointers are checked at launch) */
 int shapes_aligned(const mx_experts_problem *p) { return p->hidden_size % 16 == 0 && p->intermediate_size % 16 == 0; }
 
@@ -125,7 +128,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->act_blocks = mx_ceil_div(I, kFp8Block);
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
-    const bool persistent = mx_fp8_tile_is_sm90(tile_config) && !mx_tile_is_sm90_decode(tile_config);
+    const bool persistent = tile_config == MX_FP8_TILE_SM90;
     plan->a_sorted = persistent && !mx_fp8_sm90_gemm1_a_by_token(plan->pairs, local);
     plan->y_sorted = persistent && mx_sm90_down_by_sorted_row(p->quant, I);
     plan->y_rows = plan->y_sorted ? plan->rows_max : plan->pairs;
@@ -136,7 +139,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
-    plan->off_pair_rows = mx_ws_take(&at, plan->a_sorted || plan->y_sorted ? sizeof(int32_t) * plan->pairs : 0);
+    plan->off_pair_rows = mx_ws_take(&at, plan_has_pair_rows(*plan) ? sizeof(int32_t) * plan->pairs : 0);
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * M * H : 0);
     plan->off_x_q = mx_ws_take(&at, static_cast<size_t>((plan->a_sorted ? plan->rows_max : M) * plan->ld_xq));
     plan->off_x_scale = mx_ws_take(&at, block ? sizeof(float) * M * plan->x_blocks : 0);
@@ -201,8 +204,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     float *partials = reinterpret_cast<float *>(ws + plan.off_partials);
     int32_t *tile_expert = reinterpret_cast<int32_t *>(ws + plan.off_tile_expert);
     int32_t *sorted_ids = reinterpret_cast<int32_t *>(ws + plan.off_sorted_ids);
-    int32_t *pair_rows =
-        plan.a_sorted || plan.y_sorted ? reinterpret_cast<int32_t *>(ws + plan.off_pair_rows) : nullptr;
+    int32_t *pair_rows = plan_has_pair_rows(plan) ? reinterpret_cast<int32_t *>(ws + plan.off_pair_rows) : nullptr;
     void *x_scaled = ws + plan.off_x_scaled;
     uint8_t *x_q = ws + plan.off_x_q;
     float *x_scale = reinterpret_cast<float *>(ws + plan.off_x_scale);
