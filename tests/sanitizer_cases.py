@@ -2,7 +2,7 @@
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
 multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
 64-token tiles, split-K), the persistent kernel (>= 64 rows per expert), FP8 on both, and
-moe_ext.Linear; routing fused with the sort (M <= 32) and apart, the sort in one block and
+moe_ext.Linear; routing fused with the sort (M <= 16) and apart, the sort in one block and
 split over chunks (> 8192 pairs)."""
 import torch
 

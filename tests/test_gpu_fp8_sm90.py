@@ -176,8 +176,8 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
             assert len(quantizers) == (0 if method == "tensor" else 1 if act_in_gemm1 else 2), names
 
 
-# 32 tokens: routing and the sort in one launch (route_align); 100: the one-block sort; 300: the
-# split sort (2400 pairs); x one element past a 16-byte boundary: the quantizers' scalar forms
+# 32 tokens: the one-block sort after route_kernel; 100: the same at more rows per expert; 300:
+# the split sort (2400 pairs); x one element past a 16-byte boundary: the quantizers' scalar forms
 @pytest.mark.parametrize("m, x_offset", [(32, 0), (100, 0), (300, 0), (100, 1)])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):

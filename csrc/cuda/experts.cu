@@ -12,7 +12,7 @@
  * launches, in stream order (no host synchronization, no allocation):
  *   0. route_kernel            only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
- *                              (route_align_kernel: routing and this in one launch, M <= 32)
+ *                              (route_align_kernel: routing and this in one launch, M <= 16)
  *   2. moe_scale_input_kernel  only with apply_router_weight_on_input
  *   3. GEMM1 over (m tiles, n tiles of I): act = act(x[token] @ w13[e].T + b13) in act dtype
  *      (the Hopper kernels read x[token] themselves)

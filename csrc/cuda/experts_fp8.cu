@@ -13,7 +13,7 @@
  * launches, in stream order (no host synchronization, no allocation):
  *   0. route_kernel             only when the engine routes (p->routing) and M > 32
  *   1. moe_align_kernel         pairs -> expert segments padded to block_m, tile table
- *                               (route_align_kernel: routing and this in one launch, M <= 32)
+ *                               (route_align_kernel: routing and this in one launch, M <= 16)
  *   2. moe_scale_input_kernel   only with apply_router_weight_on_input
  *   3. x -> x_q                 TENSOR: rows_amax_kernel (block maxima over the
  *                               rows of tokens with a local expert; also zeroes

@@ -7,14 +7,14 @@
  * per token: warp t routes token t (route_token.cuh), the block
  * synchronizes once, and warp 0 sorts (moe_align_warp, reading the ids just
  * written). Past 128 experts, where route_token_split.cuh gives the same
- * bits and 32 / (E / 32) tokens fit, E / 32 warps route each token
- * (route_align_split_kernel). Larger M: the two launches (route_kernel over
- * many blocks, then moe_align_kernel).
+ * bits and kFusedMaxWarps / (E / 32) tokens fit, E / 32 warps route each
+ * token (route_align_split_kernel). Larger M: the two launches (route_kernel
+ * over many blocks, then moe_align_kernel).
  *
  * Shared memory of the fused kernel: M x 4 x E floats of routing rows, then
  * moe_align's 2 x E_local counters, then a copy of the M x k ids, which the
  * sort reads instead of global memory. Over 48 KB it opts in once per device
- * (E = 256, M = 32: 130 KB); past kFusedMaxSmem the two launches run. */
+ * (E = 256, M = 16: 65 KB); past kFusedMaxSmem the two launches run. */
 #include "experts.cuh"
 #include "moe_align.cuh"
 #include "route_token.cuh"
@@ -22,7 +22,13 @@
 
 namespace {
 
-constexpr int kFusedMaxTokens = 32;
+constexpr int kFusedMaxWarps = 32; /* the fused kernels' block */
+/* A warp per token up to 16 tokens: at 32 the two launches were faster where
+ * the one warp's sort has many pairs (qwen3moe, E = 128, k = 8, M = 32: 256
+ * pairs, -0.6 / -1.1 / -0.8% bf16 / fp8_tensor / fp8_block forwards) and
+ * the same at Mixtral and gpt-oss; at 16 the same either way (H200,
+ * 2026-11-27, logs/2026-11-27-nvidia-h200-ab-route-align-16-tokens.txt). */
+constexpr int kFusedMaxTokens = 16;
 constexpr size_t kFusedMaxSmem = 160 * 1024;
 constexpr int kSplitRouting = -1; /* route_align_body's EPL for route_token_split: E / 32 warps a token */
 
@@ -54,7 +60,7 @@ __device__ __forceinline__ void route_align_body(const mx_routing_problem &r, co
 }
 
 template <int EPL>
-__global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
+__global__ void __launch_bounds__(32 * kFusedMaxWarps, 1)
     route_align_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map, int64_t local_experts,
                        int block_m, int32_t *__restrict__ sorted_ids, int32_t *__restrict__ tile_expert,
                        int32_t *__restrict__ num_tiles, int32_t *__restrict__ pair_rows)
@@ -62,7 +68,7 @@ __global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
     route_align_body<EPL>(r, expert_map, local_experts, block_m, sorted_ids, tile_expert, num_tiles, pair_rows);
 }
 
-__global__ void __launch_bounds__(32 * kFusedMaxTokens, 1)
+__global__ void __launch_bounds__(32 * kFusedMaxWarps, 1)
     route_align_split_kernel(const mx_routing_problem r, const int32_t *__restrict__ expert_map,
                              int64_t local_experts, int block_m, int32_t *__restrict__ sorted_ids,
                              int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles,
@@ -106,14 +112,14 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
                                   "(M, top_k, E, outputs)");
         const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
                             sizeof(int32_t) * static_cast<size_t>(2 * p->num_local_experts + pairs);
-        if (r->num_tokens <= kFusedMaxTokens && smem <= kFusedMaxSmem) {
-            /* more than 4 experts per lane: E / 32 warps per token where the arithmetic allows */
-            const int64_t warps_per_token = r->num_experts / 32;
-            if (r->num_experts > 128 && route_split_usable(r) && warps_per_token * r->num_tokens <= kFusedMaxTokens)
-                return launch_fused<route_align_split_kernel>(p, block_m,
-                                                              static_cast<unsigned>(32 * warps_per_token * r->num_tokens),
-                                                              smem, sorted_ids, tile_expert, num_tiles, pair_rows,
-                                                              stream);
+        /* more than 4 experts per lane: E / 32 warps per token where the arithmetic allows */
+        const int64_t warps_per_token = r->num_experts / 32;
+        if (smem <= kFusedMaxSmem && r->num_experts > 128 && route_split_usable(r) &&
+            warps_per_token * r->num_tokens <= kFusedMaxWarps)
+            return launch_fused<route_align_split_kernel>(p, block_m,
+                                                          static_cast<unsigned>(32 * warps_per_token * r->num_tokens),
+                                                          smem, sorted_ids, tile_expert, num_tiles, pair_rows, stream);
+        if (smem <= kFusedMaxSmem && r->num_tokens <= kFusedMaxTokens) {
             return route_pick_experts_per_lane(r->num_experts, [&](auto epl) {
                 return launch_fused<route_align_kernel<decltype(epl)::value>>(
                     p, block_m, static_cast<unsigned>(32 * r->num_tokens), smem, sorted_ids, tile_expert, num_tiles,
