@@ -95,7 +95,7 @@ mx_status grouped_gemm_sm90_decode(const mx_gemm_args *g, const mx_sm90_scales &
     case MX_GEMM_DOWN:
         if constexpr (QUANT != MX_QUANT_NONE) {
             int64_t grid = 0;
-            const mx_status st = sm90_decode_down_grid<T, Shape, QUANT>(*g, m_tiles, &grid);
+            const mx_status st = sm90_decode_down_grid<T, Shape, QUANT>(*g, sc, m_tiles, &grid);
             if (st.code != MX_OK)
                 return st;
             if (grid > 0)

@@ -100,16 +100,22 @@ __host__ __device__ constexpr bool decode_quantizes_in_pairs(int kind, int quant
     return decode_quantizes_act(kind, quant, tokens) && decode_act_cols(kind) == 64;
 }
 
+/* What decode_fp8_k_block runs while its wgmmas do: nothing by default. */
+struct decode_nothing {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 /* One k block of FP8 products, promoted: its 4 chained k steps land in
  * part0 / part1 (weight boxes 0 / 1 at w_src, w_src + box_bytes; A at
  * a_src) and are added in float32 as acc += part * a_s[token slot] * w
  * (a_s, w0, w1 are 1 with per-tensor scales): the tensor cores' own FP8
  * accumulation keeps too few bits over the whole K. Accumulator e holds
- * token slot 2 (e / 4) + e % 2. */
-template <int BT>
+ * token slot 2 (e / 4) + e % 2. `during` runs between the wgmmas' issue
+ * and the wait for them (decode_down loads the next k block's scales). */
+template <int BT, typename During = decode_nothing>
 __device__ __forceinline__ void decode_fp8_k_block(float (&acc0)[BT / 2], float (&acc1)[BT / 2], uint32_t w_src,
                                                    uint32_t a_src, uint32_t box_bytes, const float (&a_s)[BT / 4],
-                                                   float w0, float w1)
+                                                   float w0, float w1, During during = During())
 {
     typedef __nv_fp8_e4m3 TA;
     float part0[BT / 2], part1[BT / 2];
@@ -122,6 +128,7 @@ __device__ __forceinline__ void decode_fp8_k_block(float (&acc0)[BT / 2], float 
         sm90_wgmma<TA, BT>::run(part1, sw128_desc(w_src + box_bytes + kk * 32), sw128_desc(a_src + kk * 32), kk > 0);
     }
     wgmma_commit();
+    during();
     wgmma_wait<0>();
     fence_acc(part0);
     fence_acc(part1);

@@ -189,17 +189,27 @@ __global__ void __launch_bounds__(Shape::kThreads)
             u.weight[j] = g.scale_by_weight && u.pair[j] >= 0 ? g.topk_weights[u.pair[j]] : 1.0f;
         u.scale = QUANT == MX_QUANT_FP8_TENSOR ? sc.a_scale[0] * sc.w_scale[d.expert] : 1.0f;
     };
-    /* block scales of k block kb: the thread's tokens' (a_s) and the weight boxes' */
+    /* block scales of k block kb: the thread's tokens' (a_s) and the weight
+     * boxes'. row_off: the int32 offset of the scales of the thread's token
+     * slot 0 (sm90_decode_down_grid keeps every offset in range); slot j's
+     * row is 8 (j / 2) + j % 2 rows further. Addressed so, not by 64-bit row
+     * products per slot and k block, and loaded while the k block's wgmmas
+     * run (decode_fp8_k_block's `during`), not before its slot wait: the
+     * block-scale GEMM2 at Mixtral M = 128 and qwen3moe M = 512 issued
+     * 1.8x the per-tensor one's instructions (ncu, H200) and forwards were
+     * 4.5 / 3.8% slower than now (H200, 2026-11-27,
+     * logs/2026-11-27-nvidia-h200-ab-decode-down-block-scales.txt). */
     struct k_scales {
         float a_s[NTOK], w0, w1;
     };
-    auto k_scales_at = [&](const unit_place &d, const unit_rows &u, const float *sw0, const float *sw1, int kb) {
+    const int32_t a_ld = static_cast<int32_t>(sc.a_ld);
+    auto k_scales_at = [&](const unit_rows &u, int32_t row_off, const float *sw0, const float *sw1, int kb) {
         k_scales ks;
 #pragma unroll
         for (int j = 0; j < NTOK; ++j)
             ks.a_s[j] = !kBlockScales     ? 1.0f
                         : u.pair[j] < 0 ? 0.0f
-                                        : sc.a_scale[token_row(d, j) * sc.a_ld + kb];
+                                        : sc.a_scale[row_off + kb + (8 * (j / 2) + j % 2) * a_ld];
         ks.w0 = kBlockScales ? sw0[kb] : 1.0f;
         ks.w1 = kBlockScales ? sw1[kb] : 1.0f;
         return ks;
@@ -231,15 +241,17 @@ __global__ void __launch_bounds__(Shape::kThreads)
         for (int i = 0; i < NACC; ++i)
             acc0[i] = acc1[i] = 0.0f;
         /* block scales one k block ahead of the wgmmas that need them */
-        k_scales ks = k_scales_at(d, cur, sw0, sw1, d.kb0);
+        const int32_t row_off = kBlockScales ? static_cast<int32_t>(token_row(d, 0)) * a_ld : 0;
+        k_scales ks = k_scales_at(cur, row_off, sw0, sw1, d.kb0);
         for (int kb = d.kb0; kb < d.kb1; ++kb, ++step) {
             const int s = step % STAGES;
             const k_scales ks_now = ks;
-            if (kBlockScales && kb + 1 < d.kb1)
-                ks = k_scales_at(d, cur, sw0, sw1, kb + 1);
             mbar_wait(full_bar(s), static_cast<uint32_t>(step / STAGES) & 1u);
             decode_fp8_k_block<BT>(acc0, acc1, slot_at(s), slot_at(s) + W_BYTES, BOX_BYTES, ks_now.a_s, ks_now.w0,
-                                   ks_now.w1);
+                                   ks_now.w1, [&] {
+                                       if (kBlockScales && kb + 1 < d.kb1)
+                                           ks = k_scales_at(cur, row_off, sw0, sw1, kb + 1);
+                                   });
             __syncthreads(); /* every warp's wgmmas on slot s have retired */
             if (tid == 0 && p_unit < units) { /* the next stage into the slot just left */
                 issue_w();
@@ -296,9 +308,11 @@ __global__ void __launch_bounds__(Shape::kThreads)
  * 2026-11-22; most likely the hardware's CTA scheduler balances the SMs
  * better than a fixed share of units does, untested). */
 template <typename T, typename Shape, int QUANT>
-mx_status sm90_decode_down_grid(const mx_gemm_args &g, int64_t m_tiles, int64_t *grid)
+mx_status sm90_decode_down_grid(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t m_tiles, int64_t *grid)
 {
     *grid = 0;
+    if (QUANT == MX_QUANT_FP8_BLOCK && m_tiles * Shape::kBlockT * sc.a_ld > 0x7fffffff)
+        return mx_status_ok(); /* the kernel's int32 scale offsets: the decode kernel takes it */
     const int64_t unit_k_blocks = mx_ceil_div(g.k_splits == 1 ? g.k : g.k_split_len, 128);
     const int64_t units = m_tiles * mx_ceil_div(g.n_rows, 128) * g.k_splits;
     auto kernel = grouped_gemm_sm90_decode_down_kernel<T, Shape, QUANT>;
