@@ -10,7 +10,7 @@
  * At one or two tokens one launch does it all where it fits
  * (decode_fused.cu; FP8 tries it in mx_cuda_experts_fp8). Otherwise
  * launches, in stream order (no host synchronization, no allocation):
- *   0. route_kernel            only when the engine routes (p->routing) and M > 32
+ *   0. route_kernel            only when the engine routes (p->routing) and M > 16
  *   1. moe_align_kernel        pairs -> expert segments padded to block_m, tile table
  *                              (route_align_kernel: routing and this in one launch, M <= 16)
  *   2. moe_scale_input_kernel  only with apply_router_weight_on_input

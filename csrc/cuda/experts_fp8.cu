@@ -11,7 +11,7 @@
  * At one token with gated weights in whole 128-wide blocks one launch does
  * it all where it fits (decode_fused.cu). Otherwise
  * launches, in stream order (no host synchronization, no allocation):
- *   0. route_kernel             only when the engine routes (p->routing) and M > 32
+ *   0. route_kernel             only when the engine routes (p->routing) and M > 16
  *   1. moe_align_kernel         pairs -> expert segments padded to block_m, tile table
  *                               (route_align_kernel: routing and this in one launch, M <= 16)
  *   2. moe_scale_input_kernel   only with apply_router_weight_on_input
