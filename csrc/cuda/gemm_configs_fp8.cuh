@@ -217,7 +217,7 @@ static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_col
 /* Whether the block-scale GEMM1 of `config` quantizes act in its epilogue
  * (no act group quantizer launch): the Hopper decode kernel's small tiles
  * (mx_tile_sm90_decode_quantizes_act) and the persistent kernel's gated
- * 128x256 tiles (grouped_gemm_sm90_impl.cuh sm90_quantizes_act), whose 128
+ * 128x256 tiles (grouped_gemm_sm90_epilogue.cuh sm90_quantizes_act), whose 128
  * act columns per tile row are one 128-column group. */
 static inline bool mx_fp8_sm90_block_gemm1_quantizes_act(int config, bool gated, int64_t inter)
 {
