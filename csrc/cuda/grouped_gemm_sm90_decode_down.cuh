@@ -157,10 +157,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
 
     const int r = warp * 16 + lane / 4; /* the thread's first weight row of each box */
+    /* the row of the thread's token slot j past its first, 2q */
+    auto slot_row = [](int j) { return 8 * (j / 2) + j % 2; };
     /* the sorted row of the thread's token slot j in unit d's tile */
-    auto token_row = [&](const unit_place &d, int j) {
-        return static_cast<int64_t>(d.mt) * BT + 8 * (j / 2) + 2 * q + (j % 2);
-    };
+    auto token_row = [&](const unit_place &d, int j) { return static_cast<int64_t>(d.mt) * BT + 2 * q + slot_row(j); };
     /* The thread's tokens of a unit: slot j is row 8 (j / 2) + 2q + j % 2 of
      * the tile; its pair (-1 for padding), routing weight, and the unit's
      * per-tensor scale. Loaded one unit ahead, in two steps: the pairs when
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     /* block scales of k block kb: the thread's tokens' (a_s) and the weight
      * boxes'. row_off: the int32 offset of the scales of the thread's token
      * slot 0 (sm90_decode_down_grid keeps every offset in range); slot j's
-     * row is 8 (j / 2) + j % 2 rows further. Addressed so, not by 64-bit row
+     * row is slot_row(j) rows further. Addressed so, not by 64-bit row
      * products per slot and k block, and loaded while the k block's wgmmas
      * run (decode_fp8_k_block's `during`), not before its slot wait: the
      * block-scale GEMM2 at Mixtral M = 128 and qwen3moe M = 512 issued
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         for (int j = 0; j < NTOK; ++j)
             ks.a_s[j] = !kBlockScales     ? 1.0f
                         : u.pair[j] < 0 ? 0.0f
-                                        : sc.a_scale[row_off + kb + (8 * (j / 2) + j % 2) * a_ld];
+                                        : sc.a_scale[row_off + kb + slot_row(j) * a_ld];
         ks.w0 = kBlockScales ? sw0[kb] : 1.0f;
         ks.w1 = kBlockScales ? sw1[kb] : 1.0f;
         return ks;

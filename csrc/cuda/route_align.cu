@@ -112,19 +112,20 @@ extern "C" mx_status mx_cuda_route_and_align(const mx_experts_problem *p, int bl
                                   "(M, top_k, E, outputs)");
         const size_t smem = route_warp_bytes(r->num_experts) * static_cast<size_t>(r->num_tokens) +
                             sizeof(int32_t) * static_cast<size_t>(2 * p->num_local_experts + pairs);
-        /* more than 4 experts per lane: E / 32 warps per token where the arithmetic allows */
-        const int64_t warps_per_token = r->num_experts / 32;
-        if (smem <= kFusedMaxSmem && r->num_experts > 128 && route_split_usable(r) &&
-            warps_per_token * r->num_tokens <= kFusedMaxWarps)
-            return launch_fused<route_align_split_kernel>(p, block_m,
-                                                          static_cast<unsigned>(32 * warps_per_token * r->num_tokens),
-                                                          smem, sorted_ids, tile_expert, num_tiles, pair_rows, stream);
-        if (smem <= kFusedMaxSmem && r->num_tokens <= kFusedMaxTokens) {
-            return route_pick_experts_per_lane(r->num_experts, [&](auto epl) {
-                return launch_fused<route_align_kernel<decltype(epl)::value>>(
-                    p, block_m, static_cast<unsigned>(32 * r->num_tokens), smem, sorted_ids, tile_expert, num_tiles,
-                    pair_rows, stream);
-            });
+        if (smem <= kFusedMaxSmem) {
+            /* more than 4 experts per lane: E / 32 warps per token where the arithmetic allows */
+            const int64_t warps_per_token = r->num_experts / 32;
+            if (r->num_experts > 128 && route_split_usable(r) && warps_per_token * r->num_tokens <= kFusedMaxWarps)
+                return launch_fused<route_align_split_kernel>(p, block_m,
+                                                              static_cast<unsigned>(32 * warps_per_token * r->num_tokens),
+                                                              smem, sorted_ids, tile_expert, num_tiles, pair_rows,
+                                                              stream);
+            if (r->num_tokens <= kFusedMaxTokens)
+                return route_pick_experts_per_lane(r->num_experts, [&](auto epl) {
+                    return launch_fused<route_align_kernel<decltype(epl)::value>>(
+                        p, block_m, static_cast<unsigned>(32 * r->num_tokens), smem, sorted_ids, tile_expert,
+                        num_tiles, pair_rows, stream);
+                });
         }
         st = mx_cuda_route(r, stream);
         if (st.code != MX_OK)
