@@ -105,17 +105,25 @@ struct decode_nothing {
     __device__ __forceinline__ void operator()() const {}
 };
 
+/* The scales of one k block of FP8 products: the thread's token slots'
+ * (a_s; slot j is token column 8 (j / 2) + 2q + j % 2) and the two weight
+ * boxes' (w0, w1); all 1 with per-tensor scales. */
+template <int BT>
+struct decode_k_scales {
+    float a_s[BT / 4], w0, w1;
+};
+
 /* One k block of FP8 products, promoted: its 4 chained k steps land in
  * part0 / part1 (weight boxes 0 / 1 at w_src, w_src + box_bytes; A at
- * a_src) and are added in float32 as acc += part * a_s[token slot] * w
- * (a_s, w0, w1 are 1 with per-tensor scales): the tensor cores' own FP8
- * accumulation keeps too few bits over the whole K. Accumulator e holds
- * token slot 2 (e / 4) + e % 2. `during` runs between the wgmmas' issue
- * and the wait for them (decode_down loads the next k block's scales). */
+ * a_src) and are added in float32 as acc += part * ks.a_s[token slot] *
+ * ks.w (the tensor cores' own FP8 accumulation keeps too few bits over the
+ * whole K). Accumulator e holds token slot 2 (e / 4) + e % 2. `during`
+ * runs between the wgmmas' issue and the wait for them, and may write ks
+ * (its loads then overlap the wgmmas): ks is read after it. */
 template <int BT, typename During = decode_nothing>
 __device__ __forceinline__ void decode_fp8_k_block(float (&acc0)[BT / 2], float (&acc1)[BT / 2], uint32_t w_src,
-                                                   uint32_t a_src, uint32_t box_bytes, const float (&a_s)[BT / 4],
-                                                   float w0, float w1, During during = During())
+                                                   uint32_t a_src, uint32_t box_bytes, const decode_k_scales<BT> &ks,
+                                                   During during = During())
 {
     typedef __nv_fp8_e4m3 TA;
     float part0[BT / 2], part1[BT / 2];
@@ -134,9 +142,9 @@ __device__ __forceinline__ void decode_fp8_k_block(float (&acc0)[BT / 2], float 
     fence_acc(part1);
 #pragma unroll
     for (int e = 0; e < BT / 2; ++e) {
-        const float a = a_s[2 * (e / 4) + (e % 2)];
-        acc0[e] = fmaf(part0[e], a * w0, acc0[e]);
-        acc1[e] = fmaf(part1[e], a * w1, acc1[e]);
+        const float a = ks.a_s[2 * (e / 4) + (e % 2)];
+        acc0[e] = fmaf(part0[e], a * ks.w0, acc0[e]);
+        acc1[e] = fmaf(part1[e], a * ks.w1, acc1[e]);
     }
 }
 
@@ -311,24 +319,42 @@ __global__ void __launch_bounds__(Shape::kThreads)
 #pragma unroll
     for (int i = 0; i < NACC; ++i)
         acc0[i] = acc1[i] = 0.0f;
-    /* block scales: the thread's tokens are columns 8i + 2q + e (e = 0, 1),
-     * token slot j = 2i + e; their scale rows, and the boxes' scale rows */
-    const float *sa[BT / 4];
+    /* Block scales of k block kb (decode_k_scales), loaded while its wgmmas
+     * run (decode_fp8_k_block's `during`), not before its slot wait. The
+     * token slots' scale rows are int32 offsets from sa_rows (the launcher
+     * keeps them in range): GEMM1 from the first token's row by token,
+     * DOWN and LINEAR from the tile's first row by slot; padding slots read
+     * the first row's scales (their A rows are zeros or unused). */
+    const float *sa_rows = sc.a_scale + (kRowsFromX ? 0 : a_row * sc.a_ld);
+    int32_t sa_off[BT / 4];
     const float *sw0 = nullptr, *sw1 = nullptr;
     if (kBlockScales) {
+        const int32_t a_ld = static_cast<int32_t>(sc.a_ld);
 #pragma unroll
         for (int j = 0; j < BT / 4; ++j) {
             const int t = 8 * (j / 2) + 2 * q + (j % 2);
             const int32_t pair = tile_pair[t];
-            sa[j] = pair < 0 ? nullptr
-                             : sc.a_scale + (KIND == MX_GEMM_DOWN || kLinear ? a_row + t
-                                                                              : static_cast<int64_t>(pair / g.top_k)) * sc.a_ld;
+            sa_off[j] = pair < 0 ? 0 : (kRowsFromX ? pair / g.top_k : t) * a_ld;
         }
         const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
         const int64_t b0 = row0 / 128, b1 = row1 / 128; /* boxes past n_rows read zeros */
         sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld;
         sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
     }
+    decode_k_scales<BT> ks;
+#pragma unroll
+    for (int j = 0; j < BT / 4; ++j)
+        ks.a_s[j] = 1.0f;
+    ks.w0 = ks.w1 = 1.0f;
+    auto load_k_scales = [&](int kb) {
+        if constexpr (kBlockScales) {
+#pragma unroll
+            for (int j = 0; j < BT / 4; ++j)
+                ks.a_s[j] = sa_rows[sa_off[j] + kb];
+            ks.w0 = sw0[kb];
+            ks.w1 = sw1[kb];
+        }
+    };
 
     for (int kb = kb0; kb < kb1; ++kb) {
         const int i = kb - kb0, s = i % STAGES;
@@ -337,18 +363,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
             fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
         const uint32_t w_src = base + static_cast<uint32_t>(s) * STAGE_BYTES, a_src = w_src + W_BYTES;
         if constexpr (QUANT != MX_QUANT_NONE) {
-            float a_s[BT / 4], w0 = 1.0f, w1 = 1.0f;
-#pragma unroll
-            for (int j = 0; j < BT / 4; ++j)
-                a_s[j] = 1.0f;
-            if (kBlockScales) {
-#pragma unroll
-                for (int j = 0; j < BT / 4; ++j)
-                    a_s[j] = sa[j] ? sa[j][kb] : 0.0f;
-                w0 = sw0[kb];
-                w1 = sw1[kb];
-            }
-            decode_fp8_k_block<BT>(acc0, acc1, w_src, a_src, BOX_BYTES, a_s, w0, w1);
+            decode_fp8_k_block<BT>(acc0, acc1, w_src, a_src, BOX_BYTES, ks, [&] { load_k_scales(kb); });
         } else {
             fence_acc(acc0);
             fence_acc(acc1);
@@ -583,6 +598,12 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld CTAs exceed the grid", name, (long long)grid);
     if (grid == 0)
         return mx_status_ok();
+    /* the kernel's int32 block-scale row offsets: GEMM1 by token (pairs /
+     * top_k of them), else by slot of a tile */
+    const int64_t scale_rows = decode_rows_from_x(KIND) ? (g.top_k > 0 ? g.pairs / g.top_k : 0) : Shape::kBlockT;
+    if (QUANT == MX_QUANT_FP8_BLOCK && (scale_rows < 1 || scale_rows * sc.a_ld > 0x7fffffff))
+        return mx_status_fail(MX_ERR_VALUE, "%s: %lld rows of block scales exceed int32 offsets (or the pair count is "
+                              "unknown)", name, (long long)scale_rows);
 
     mx_status st = sm90_decode_opt_in<TA, T, Shape, KIND, QUANT>(name, nullptr);
     if (st.code != MX_OK)

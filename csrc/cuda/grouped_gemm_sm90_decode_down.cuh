@@ -199,9 +199,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
      * 1.8x the per-tensor one's instructions (ncu, H200) and forwards were
      * 4.5 / 3.8% slower than now (H200, 2026-11-27,
      * logs/2026-11-27-nvidia-h200-ab-decode-down-block-scales.txt). */
-    struct k_scales {
-        float a_s[NTOK], w0, w1;
-    };
+    typedef decode_k_scales<BT> k_scales;
     const int32_t a_ld = static_cast<int32_t>(sc.a_ld);
     auto k_scales_at = [&](const unit_rows &u, int32_t row_off, const float *sw0, const float *sw1, int kb) {
         k_scales ks;
@@ -247,11 +245,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int s = step % STAGES;
             const k_scales ks_now = ks;
             mbar_wait(full_bar(s), static_cast<uint32_t>(step / STAGES) & 1u);
-            decode_fp8_k_block<BT>(acc0, acc1, slot_at(s), slot_at(s) + W_BYTES, BOX_BYTES, ks_now.a_s, ks_now.w0,
-                                   ks_now.w1, [&] {
-                                       if (kBlockScales && kb + 1 < d.kb1)
-                                           ks = k_scales_at(cur, row_off, sw0, sw1, kb + 1);
-                                   });
+            decode_fp8_k_block<BT>(acc0, acc1, slot_at(s), slot_at(s) + W_BYTES, BOX_BYTES, ks_now, [&] {
+                if (kBlockScales && kb + 1 < d.kb1)
+                    ks = k_scales_at(cur, row_off, sw0, sw1, kb + 1);
+            });
             __syncthreads(); /* every warp's wgmmas on slot s have retired */
             if (tid == 0 && p_unit < units) { /* the next stage into the slot just left */
                 issue_w();
