@@ -121,12 +121,8 @@ mx_status mx_launch_tile_grid(Kernel kernel, Args g, int64_t m_tiles, int64_t n_
  * the per-tensor FP8 act quantizer at decode triggers before it waits
  * (mx_fp8_row_filter.early_dependents), so GEMM2 may start while GEMM1 runs;
  * GEMM2 reads only the tile table, sorted ids and routing weights (written
- * before GEMM1 started) and its weights before its wait. Another: the block
- * x quantizer at decode (mx_fp8_row_filter.independent) reads only x, which
- * no kernel ahead of it in the forward writes, so it quantizes first and
- * waits (for the routing and sort ahead) only before its trigger: the rule
- * holds for the kernels after it, and its work overlaps the routing. Both
- * calls are no-ops in a kernel launched plainly, and below sm_90. */
+ * before GEMM1 started) and its weights before its wait. Both calls are
+ * no-ops in a kernel launched plainly, and below sm_90. */
 __device__ __forceinline__ void mx_griddep_wait()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -235,13 +235,6 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     routed.global_experts = p->global_num_experts;
     routed.local_experts = p->num_local_experts;
     routed.dest_rows = plan.a_sorted ? pair_rows : nullptr;
-    /* block scales by token, without expert parallelism: every row (those
-     * of tokens without a local pair go unread), quantized while the routing
-     * and the sort ahead still run (common.cuh, the x quantizer's exception) */
-    if (block && !plan.a_sorted && !p->expert_map && x == p->hidden_states) {
-        routed.mode = MX_FP8_ROWS_ALL;
-        routed.independent = 1;
-    }
     st = mx_cuda_fp8_quant_a(x, p->act_dtype, M, H, H, &routed, p->quant, partials, act_amax, x_q, plan.ld_xq,
                              block ? x_scale : x_tensor_scale, plan.x_blocks, stream);
     if (st.code != MX_OK)

@@ -162,11 +162,6 @@ typedef struct mx_fp8_row_filter {
      * this one waits for the kernel ahead (common.cuh, the act quantizer's
      * exception) */
     int early_dependents;
-    /* the group quantizers only, with ALL rows and x not written by the
-     * kernel ahead: the kernel does its work first and waits for the kernel
-     * ahead only before its dependents may launch (common.cuh, the x
-     * quantizer's exception) */
-    int independent;
 } mx_fp8_row_filter;
 
 /* Arguments of an FP8 grouped GEMM launch (grouped_gemm_fp8.cuh). Rows are

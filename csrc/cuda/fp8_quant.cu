@@ -213,13 +213,15 @@ __global__ void __launch_bounds__(kQuantThreads)
                        const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq, float *__restrict__ scales,
                        int64_t scale_ld)
 {
-    if (!f.independent)
-        mx_griddep_enter(false);
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int64_t groups = (cols + group - 1) / group;
     const int64_t gi = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / 32) + (threadIdx.x >> 5);
+    if (gi >= groups)
+        return;
     const int64_t c0 = gi * group, c1 = cols - c0 < group ? cols : c0 + group;
-    const int64_t live = gi < groups ? live_rows(f, rows) : 0;
+    const int64_t live = live_rows(f, rows);
     for (int64_t row = blockIdx.y; row < live; row += gridDim.y) {
         if (!row_valid(f, row))
             continue;
@@ -240,8 +242,6 @@ __global__ void __launch_bounds__(kQuantThreads)
         if (lane == 0)
             scales[row * scale_ld + gi] = s;
     }
-    if (f.independent)
-        mx_griddep_enter(false);
 }
 
 constexpr int kGroupsPerWarp = 4;
@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kQuantThreads)
                             const mx_fp8_row_filter f, uint8_t *__restrict__ q, int64_t ldq,
                             float *__restrict__ scales, int64_t scale_ld)
 {
-    if (!f.independent)
-        mx_griddep_enter(false);
+    mx_griddep_wait();
+    mx_griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int64_t groups = (cols + 127) / 128, chunks = (groups + kGroupsPerWarp - 1) / kGroupsPerWarp;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * (kQuantThreads / 32);
@@ -351,8 +351,6 @@ __global__ void __launch_bounds__(kQuantThreads)
                     *reinterpret_cast<uint32_t *>(q + d * ldq + pad) = 0u;
             });
     }
-    if (f.independent)
-        mx_griddep_enter(false);
 }
 
 /* ---- pipeline per tensor ------------------------------------------------------ */
