@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
      * keeps them in range): GEMM1 from the first token's row by token,
      * DOWN and LINEAR from the tile's first row by slot; padding slots read
      * the first row's scales (their A rows are zeros or unused). */
-    const float *sa_rows = sc.a_scale + (kRowsFromX ? 0 : a_row * sc.a_ld);
+    const float *sa_rows = kBlockScales ? sc.a_scale + (kRowsFromX ? 0 : a_row * sc.a_ld) : nullptr;
     int32_t sa_off[BT / 4];
     const float *sw0 = nullptr, *sw1 = nullptr;
     if (kBlockScales) {
