@@ -336,10 +336,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
             const int32_t pair = tile_pair[t];
             sa_off[j] = pair < 0 ? 0 : (kRowsFromX ? pair / g.top_k : t) * a_ld;
         }
-        const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
-        const int64_t b0 = row0 / 128, b1 = row1 / 128; /* boxes past n_rows read zeros */
-        sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld;
-        sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
+        sw0 = sm90_weight_block_scales(sc, expert, row0);
+        sw1 = sm90_weight_block_scales(sc, expert, row1);
     }
     decode_k_scales<BT> ks;
 #pragma unroll

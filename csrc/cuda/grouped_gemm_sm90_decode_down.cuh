@@ -228,10 +228,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
         }
         const float *sw0 = nullptr, *sw1 = nullptr;
         if (kBlockScales) {
-            const float *we = sc.w_scale + static_cast<int64_t>(d.expert) * sc.w_rows * sc.w_ld;
-            const int64_t b0 = d.row0 / 128, b1 = (d.row0 + 64) / 128; /* boxes past n_rows read zeros */
-            sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld;
-            sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
+            sw0 = sm90_weight_block_scales(sc, d.expert, d.row0);
+            sw1 = sm90_weight_block_scales(sc, d.expert, d.row0 + 64);
         }
 
         float acc0[NACC], acc1[NACC]; /* weight rows of box 0 / box 1 */

@@ -395,10 +395,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 if (rows.pair_hi >= 0)
                     sa_hi = sc.a_scale + (down ? rows.s_lo + 8 : rows.pair_hi / g.top_k) * sc.a_ld;
                 const int64_t c = kGated ? static_cast<int64_t>(nt) * (BN / 2) : static_cast<int64_t>(nt) * BN;
-                const int64_t b0 = c / 128, b1 = (kGated ? g.out_cols + c : c + BN / 2) / 128;
-                const float *we = sc.w_scale + static_cast<int64_t>(expert) * sc.w_rows * sc.w_ld;
-                sw0 = we + (b0 < sc.w_rows ? b0 : sc.w_rows - 1) * sc.w_ld; /* boxes past n_rows read zeros */
-                sw1 = we + (b1 < sc.w_rows ? b1 : sc.w_rows - 1) * sc.w_ld;
+                sw0 = sm90_weight_block_scales(sc, expert, c);
+                sw1 = sm90_weight_block_scales(sc, expert, kGated ? g.out_cols + c : c + BN / 2);
             }
             if constexpr (kTwoSets) {
                 /* two sets of products: k block kb + 1's wgmmas are issued before

@@ -318,6 +318,15 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, uint32_t byte)
     return static_cast<uint32_t>(row) * 128u + ((((byte >> 4) ^ static_cast<uint32_t>(row)) & 7u) << 4) + (byte & 15u);
 }
 
+/* The 128x128 block scales (sc.w_ld k blocks) of expert `expert`'s weight
+ * rows from `row`, a box's first row (a box lies in one scale block); a box
+ * past n_rows reads zeros, so it takes the last block's. */
+__device__ __forceinline__ const float *sm90_weight_block_scales(const mx_sm90_scales &sc, int expert, int64_t row)
+{
+    const int64_t block = row / 128 < sc.w_rows ? row / 128 : sc.w_rows - 1;
+    return sc.w_scale + (static_cast<int64_t>(expert) * sc.w_rows + block) * sc.w_ld;
+}
+
 /* ---- host: tensor maps ----------------------------------------------------------- */
 
 typedef CUresult (*sm90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
