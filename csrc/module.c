@@ -11,6 +11,8 @@
  *     def has_exchange_api() -> bool: ...
  *     def cuda_device_count() -> int: ...   # 0 in a CPU-only build
  *     def _set_decode_fused(enabled) -> bool: ...   # the one-launch decode path
+ *     def _set_sm90_down_splits(n) -> int: ...      # the persistent GEMM2's k slices
+ *     def _sm90_down_split(units, slots, max_splits, k_blocks, align) -> (count, len)
  *     built_with_cuda: bool
  */
 #include "glue.h"
@@ -103,6 +105,46 @@ static PyObject *set_decode_fused(PyObject *module, PyObject *arg)
 #endif
 }
 
+static PyObject *set_sm90_down_splits(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > 64) {
+        PyErr_SetString(PyExc_ValueError, "n: expected 0 (the kernel picks) to 64");
+        return NULL;
+    }
+#ifdef MOE_EXT_WITH_CUDA
+    return PyLong_FromLong(mx_cuda_set_sm90_down_splits((int)n));
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
+static PyObject *sm90_down_split(PyObject *module, PyObject *args)
+{
+    (void)module;
+    long long units, slots;
+    int max_splits, k_blocks, align;
+    if (!PyArg_ParseTuple(args, "LLiii", &units, &slots, &max_splits, &k_blocks, &align))
+        return NULL;
+    if (k_blocks < 1 || align < 1 || max_splits < 1 || max_splits > 64 || units < 0 || slots < 1 ||
+        units > (1 << 24) || slots > (1 << 24) || k_blocks > (1 << 24) || align > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "need 1 <= k_blocks, align <= 2^24, 1 <= max_splits <= 64, "
+                                          "0 <= units <= 2^24 and 1 <= slots <= 2^24");
+        return NULL;
+    }
+#ifdef MOE_EXT_WITH_CUDA
+    int count = 1, len = k_blocks;
+    mx_cuda_sm90_down_split_rule((int)units, (int)slots, max_splits, k_blocks, align, &count, &len);
+    return Py_BuildValue("(ii)", count, len);
+#else
+    PyErr_SetString(PyExc_NotImplementedError, "_sm90_down_split: built without CUDA");
+    return NULL;
+#endif
+}
+
 static PyMethodDef module_methods[] = {
     {"register_torch", register_torch, METH_VARARGS,
      "register_torch(tensor_type, empty, stream, exchange_api=True): hand over the tensor "
@@ -114,6 +156,12 @@ static PyMethodDef module_methods[] = {
     {"_set_decode_fused", set_decode_fused, METH_O,
      "_set_decode_fused(enabled) -> previous: whether the CUDA engine may run a few-token forward "
      "as one launch (tests and benchmarks)."},
+    {"_set_sm90_down_splits", set_sm90_down_splits, METH_O,
+     "_set_sm90_down_splits(n) -> previous: 0 lets the persistent Hopper GEMM2 pick its k slices, "
+     "n >= 1 makes it run exactly n where K allows (tests)."},
+    {"_sm90_down_split", sm90_down_split, METH_VARARGS,
+     "_sm90_down_split(units, slots, max_splits, k_blocks, align) -> (count, len): the slices the "
+     "persistent Hopper GEMM2 picks (tests)."},
     {"route", (PyCFunction)(void (*)(void))mx_py_route, METH_VARARGS | METH_KEYWORDS,
      "route(router_logits, top_k, ...) -> (topk_weights float32, topk_ids int32)."},
     {"experts", (PyCFunction)(void (*)(void))mx_py_experts, METH_VARARGS | METH_KEYWORDS,

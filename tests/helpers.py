@@ -91,5 +91,16 @@ def decode_fused(enabled):
         moe_ext._C._set_decode_fused(previous)
 
 
+@contextlib.contextmanager
+def down_splits(n):
+    """Within the block the persistent Hopper kernel's GEMM2 runs exactly n k slices where K
+    allows (n = 0: the kernel picks, gemm_configs.cuh mx_sm90_down_split); restored after."""
+    previous = moe_ext._C._set_sm90_down_splits(n)
+    try:
+        yield
+    finally:
+        moe_ext._C._set_sm90_down_splits(previous)
+
+
 def on_hopper():
     return torch.cuda.get_device_capability() == (9, 0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import moe_ext
-from helpers import capture_forward, kernels_of, on_hopper, randn, replay
+from helpers import capture_forward, down_splits, kernels_of, on_hopper, randn, replay
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
 from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
@@ -198,6 +198,21 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
         assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
         persistent_gemm1_reads_by_token(names, m * k / layer.local_num_experts)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_persistent_down_split_k(method, splits, gen):
+    """The persistent kernel's FP8 GEMM2 in k slices (gemm_configs.cuh mx_sm90_down_split), bias
+    on slice 0: ~150 rows per expert, I = 4224 (33 k blocks; per tensor 34 in promoted pairs, so
+    slices of 18 and 16), y by pair (I > 4096). Per tensor the kernel picks 2 (splits 0), block
+    scales take none by default; 1 and 3 forced (_set_sm90_down_splits)."""
+    e, k, h, i = 4, 2, 272, 4224
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
+    with down_splits(splits):
+        names = checked_forward(gen, layer, 300, e, f"fp8 {method} GEMM2 {splits} slices", cfg=CONFIGS[2])
+    if on_hopper():
+        assert any(WGMMA_FP8 in n and ", 3, " in n for n in names), f"no persistent FP8 GEMM2 ran: {names}"
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -5,7 +5,7 @@ the persistent kernel from 64 rows per expert, the decode kernel (operands swapp
 import pytest
 import torch
 
-from helpers import capture_forward, kernels_of, on_hopper, randn, replay
+from helpers import capture_forward, down_splits, kernels_of, on_hopper, randn, replay
 from test_gpu import CONFIGS, check, cuda_case
 
 # these tests check the multi-launch pipeline's kernels (conftest.py pipeline_only)
@@ -107,6 +107,23 @@ def test_decode_split_k(m, gen):
     logits = randn(gen, m, 4, device="cuda", scale=2.0)
     want, margin = reference(x, logits)
     check(layer(x, logits), want, margin, torch.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
+def test_persistent_down_split_k(cfg, splits, gen):
+    """The persistent kernel's GEMM2 in k slices (gemm_configs.cuh mx_sm90_down_split), each
+    slice a float32 partial of y that moe_sum adds, the bias on slice 0 only: ~150 rows per
+    expert (two m tiles each) and H = 328 (two n tiles, the second partly past H) make ~16 units
+    on a 32-CTA grid, and I = 2120 34 k blocks with a tail, so the kernel picks 2 (splits 0);
+    1-4 are forced (_set_sm90_down_splits)."""
+    _, e, k, kw, corr = cfg
+    e, k = 4, 2
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=328, i=2120)
+    with down_splits(splits):
+        names = checked_forward(gen, torch.bfloat16, layer, reference, 300, e)
+    if on_hopper():
+        assert any(PERSISTENT_KERNEL in n for n in names), f"no {PERSISTENT_KERNEL} ran: {names}"
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])

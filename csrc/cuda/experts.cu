@@ -29,9 +29,12 @@
  *   sorted_ids       int32 [rows_max]
  *   x_scaled         act   [M, H]        only with apply_router_weight_on_input
  *   act              act   [rows_max, ld_act], ld_act = I rounded up to 8 (16-byte rows)
- *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K at decode)
+ *   y                f32   [down_splits, M k, H]   (down_splits > 1: split-K; the persistent
+ *                                                     Hopper GEMM2 picks up to down_splits)
+ *   split_count      int32 [1]           that pick (only then)
  * A worked size: M=16384, k=8, H=2048, I=768, E=128 (bf16): y 1 GiB, act 226 MiB. */
 #include <algorithm>
+#include <atomic>
 
 #include "common.cuh"
 #include "experts.cuh"
@@ -44,11 +47,18 @@ typedef struct experts_plan {
     int tile_config; /* mx_tile_config; ignored for float32 */
     int block_m;
     int64_t pairs, tiles_max, rows_max, ld_act;
-    int down_splits;          /* GEMM2 split-K slices (1 = none) */
+    int down_splits;          /* GEMM2 split-K slices (1 = none; the persistent Hopper kernel: at most) */
     int64_t down_split_len;
-    size_t off_align, off_num_tiles, off_tile_expert, off_sorted_ids, off_x_scaled, off_act, off_y;
+    int split_exact;          /* the persistent kernel takes exactly down_splits (mx_cuda_set_sm90_down_splits) */
+    size_t off_align, off_num_tiles, off_tile_expert, off_sorted_ids, off_x_scaled, off_act, off_y, off_split_count;
     size_t total_bytes;
 } experts_plan;
+
+/* the persistent Hopper GEMM2 picks its slice count on the device (moe_sum reads it) */
+inline bool plan_picks_splits(const experts_plan &plan)
+{
+    return mx_tile_is_sm90_persistent(plan.tile_config) && plan.down_splits > 1;
+}
 
 /* tma: the operands allow the Hopper kernels' TMA loads (see tma_usable) */
 void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
@@ -64,12 +74,16 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     plan->tiles_max = pairs / plan->block_m + (local < pairs ? local : pairs);
     plan->rows_max = plan->tiles_max * plan->block_m;
     plan->ld_act = (p->intermediate_size + 7) / 8 * 8;
+    plan->split_exact = 0;
     if (p->act_dtype == MX_F32) {
         plan->down_splits = 1;
         plan->down_split_len = p->intermediate_size;
     } else {
         plan->down_splits = mx_select_down_splits(plan->tile_config, plan->tiles_max, p->hidden_size,
                                                   p->intermediate_size, &plan->down_split_len);
+        if (mx_tile_is_sm90_persistent(plan->tile_config))
+            mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (p->intermediate_size + 63) / 64, 1,
+                                        0);
     }
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
@@ -80,6 +94,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
     plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * pairs * p->hidden_size);
+    plan->off_split_count = mx_ws_take(&at, plan_picks_splits(*plan) ? sizeof(int32_t) : 0);
     plan->total_bytes = at;
 }
 
@@ -131,6 +146,32 @@ int check_problem(const mx_experts_problem *p, const void *workspace, mx_status 
 }
 
 } /* namespace */
+
+/* 0: the persistent Hopper GEMM2 picks its slices; n >= 1: exactly n where it can (tests) */
+static std::atomic<int> sm90_down_splits_set{0};
+
+extern "C" int mx_cuda_set_sm90_down_splits(int n)
+{
+    return sm90_down_splits_set.exchange(n > 0 ? n : 0);
+}
+
+extern "C" void mx_cuda_sm90_down_split_rule(int units, int slots, int max_splits, int k_blocks, int align, int *count,
+                                             int *len)
+{
+    const mx_sm90_split split = mx_sm90_down_split(units, slots, max_splits, k_blocks, align);
+    *count = split.count;
+    *len = split.len;
+}
+
+extern "C" void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align, int by_sorted_row)
+{
+    const int n = sm90_down_splits_set.load(std::memory_order_relaxed);
+    if (n < 1 || by_sorted_row)
+        return;
+    *splits = mx_sm90_down_split_exact(static_cast<int>(k_blocks), n < kSm90DownMaxSplits ? n : kSm90DownMaxSplits,
+                                       align).count;
+    *exact = *splits > 1;
+}
 
 extern "C" size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p)
 {
@@ -211,6 +252,8 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     g1.rows = 0;
     g1.pairs = plan.pairs;
     g1.y_by_sorted_row = 0;
+    g1.split_count = nullptr;
+    g1.split_exact = 0;
     const mx_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_GEMM_UP
                              : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                  : MX_GEMM_GATE_UP;
@@ -229,6 +272,9 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     g2.k_splits = plan.down_splits;
     g2.k_split_len = plan.down_split_len;
     g2.out_split_stride = plan.pairs * H;
+    int32_t *split_count = plan_picks_splits(plan) ? reinterpret_cast<int32_t *>(ws + plan.off_split_count) : nullptr;
+    g2.split_count = split_count;
+    g2.split_exact = plan.split_exact;
 
     const int tile_config = plan.tile_config;
     /* 16-byte loads need 16-byte rows and bases (act rows always are). */
@@ -265,7 +311,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     if (st.code != MX_OK)
         return st;
 
-    return mx_cuda_moe_sum(y, nullptr, plan.down_splits, plan.pairs * H, p->topk_ids, p->expert_map, p->num_tokens,
+    return mx_cuda_moe_sum(y, nullptr, plan.down_splits, split_count, plan.pairs * H, p->topk_ids, p->expert_map, p->num_tokens,
                            p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype, p->output,
                            stream);
 }

@@ -73,6 +73,11 @@ typedef struct mx_gemm_args {
     int y_by_sorted_row;          /* GEMM2 of the persistent Hopper kernel with block scales: out is y
                                      [rows, ldo] by sorted row (gemm_configs.cuh
                                      mx_sm90_down_by_sorted_row), else by pair */
+    int32_t *split_count;         /* GEMM2 of the persistent Hopper kernel with k_splits > 1: k_splits is
+                                     the most slices, the kernel picks the count on the device
+                                     (gemm_configs.cuh mx_sm90_down_split; exactly k_splits with
+                                     split_exact) and writes it here for moe_sum; k_split_len unused */
+    int split_exact;
 } mx_gemm_args;
 
 #ifdef __cplusplus
@@ -110,13 +115,23 @@ mx_status mx_cuda_grouped_gemm_fp16(const mx_gemm_args *g, mx_gemm_kind kind, in
 mx_status mx_cuda_grouped_gemm_f32(const mx_gemm_args *g, mx_gemm_kind kind, int64_t m_tiles,
                                    cudaStream_t stream);
 
+/* experts.cu: the plans' slice count for the persistent Hopper GEMM2 under
+ * the test setting of mx_cuda_set_sm90_down_splits (abi.h): unchanged when
+ * unset (the kernel picks up to *splits) or where y goes by sorted row;
+ * else exactly that many where K allows (*splits, *exact = 1 when > 1).
+ * k_blocks: GEMM2's 128-byte k blocks as the kernel counts them; align:
+ * slice lengths' multiple (2: per-tensor FP8). */
+void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align, int by_sorted_row);
+
 /* moe_sum.cu: out[t] = sum_j sum_s y[s][row(t * top_k + j)] over the slots
  * with a local expert and the k_splits split-K slices s (split_stride
- * elements apart), float32 in (slot, split) order, rounded once to dtype;
- * zero rows for tokens without a local slot. row(pair) = pair_rows[pair]
- * (y by sorted row), or pair where pair_rows is NULL (y by pair). */
-mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits, int64_t split_stride,
-                          const int32_t *topk_ids, const int32_t *expert_map, int64_t tokens, int top_k,
+ * elements apart; *split_count of them where split_count is not NULL: the
+ * persistent GEMM2's pick, read on the device), float32 in (slot, split)
+ * order, rounded once to dtype; zero rows for tokens without a local slot.
+ * row(pair) = pair_rows[pair] (y by sorted row), or pair where pair_rows is
+ * NULL (y by pair). */
+mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits, const int32_t *split_count,
+                          int64_t split_stride, const int32_t *topk_ids, const int32_t *expert_map, int64_t tokens, int top_k,
                           int64_t hidden, int64_t global_experts, int64_t local_experts, mx_dtype dtype, void *out,
                           cudaStream_t stream);
 

@@ -62,7 +62,9 @@
  *   act_scale        f32 [rows_max, I/128]        BLOCK
  *   y                f32 [down_splits, y_rows, H]     y_rows = M k (by pair), rows_max
  *                                                 where GEMM2 writes by sorted row
- *                                                 (gemm_configs.cuh mx_sm90_down_by_sorted_row)
+ *                                                 (gemm_configs.cuh mx_sm90_down_by_sorted_row);
+ *                                                 the persistent Hopper GEMM2 picks up to down_splits
+ *   split_count      int32 [1]                    that pick (only then)
  * The workspace is sized for the larger of the shape-selected tile config
  * and mid (taken when the weight pointers do not allow 16-byte loads). */
 #include <string.h>
@@ -94,15 +96,22 @@ typedef struct fp8_plan {
     int block_m;
     int64_t pairs, tiles_max, rows_max;
     int64_t ld_xq, ld_act, ld_aq, x_blocks, act_blocks;
-    int down_splits;
+    int down_splits;          /* the persistent Hopper GEMM2: at most (it picks on the device) */
     int64_t down_split_len;
+    int split_exact;          /* ... exactly (mx_cuda_set_sm90_down_splits) */
     bool a_sorted; /* x quantized into GEMM1's sorted rows (mx_fp8_sm90_gemm1_a_by_token) */
     bool y_sorted; /* GEMM2 writes y by sorted row (moe_sum reads it through pair_rows) */
     int64_t y_rows;
     size_t off_align, off_num_tiles, off_scalars, off_partials, off_tile_expert, off_sorted_ids, off_pair_rows,
-        off_x_scaled, off_x_q, off_x_scale, off_act, off_act_q, off_act_scale, off_y;
+        off_x_scaled, off_x_q, off_x_scale, off_act, off_act_q, off_act_scale, off_y, off_split_count;
     size_t total_bytes;
 } fp8_plan;
+
+/* the persistent Hopper GEMM2 picks its slice count on the device (moe_sum reads it) */
+inline bool plan_picks_splits(const fp8_plan &plan)
+{
+    return plan.tile_config == MX_FP8_TILE_SM90 && plan.down_splits > 1;
+}
 
 /* moe_align writes pair_rows for the x quantizer's sorted rows or for moe_sum's y by sorted row */
 inline bool plan_has_pair_rows(const fp8_plan &plan) { return plan.a_sorted || plan.y_sorted; }
@@ -127,8 +136,15 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->x_blocks = mx_ceil_div(H, kFp8Block);
     plan->act_blocks = mx_ceil_div(I, kFp8Block);
     plan->down_splits =
-        mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, &plan->down_split_len);
+        mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, p->quant, &plan->down_split_len);
     const bool persistent = tile_config == MX_FP8_TILE_SM90;
+    plan->split_exact = 0;
+    if (persistent) {
+        /* per tensor the kernel promotes pairs of k blocks (an even count) */
+        const int64_t k_blocks = mx_ceil_div(I, 128);
+        mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, block ? k_blocks : (k_blocks + 1) & ~1,
+                                    block ? 1 : 2, mx_sm90_down_by_sorted_row(p->quant, I));
+    }
     plan->a_sorted = persistent && !mx_fp8_sm90_gemm1_a_by_token(plan->pairs, local);
     plan->y_sorted = persistent && mx_sm90_down_by_sorted_row(p->quant, I);
     plan->y_rows = plan->y_sorted ? plan->rows_max : plan->pairs;
@@ -147,6 +163,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->off_act_q = mx_ws_take(&at, static_cast<size_t>(plan->rows_max * plan->ld_aq));
     plan->off_act_scale = mx_ws_take(&at, block ? sizeof(float) * plan->rows_max * plan->act_blocks : 0);
     plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * plan->y_rows * H);
+    plan->off_split_count = mx_ws_take(&at, plan_picks_splits(*plan) ? sizeof(int32_t) : 0);
     plan->total_bytes = at;
 }
 
@@ -332,6 +349,10 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g2.k_split_len = plan.down_split_len;
     g2.out_split_stride = plan.y_rows * H;
     g2.y_by_sorted_row = plan.y_sorted;
+    int32_t *split_count =
+        plan_picks_splits(plan) ? reinterpret_cast<int32_t *>(ws + plan.off_split_count) : nullptr;
+    g2.split_count = split_count;
+    g2.split_exact = plan.split_exact;
     st = sm90 ? mx_cuda_grouped_gemm_fp8_sm90(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, p->num_local_experts,
                                               plan.tiles_max, stream)
               : mx_cuda_grouped_gemm_fp8(&g2, MX_GEMM_DOWN, p->quant, plan.tile_config, aligned2, plan.tiles_max,
@@ -339,7 +360,8 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     if (st.code != MX_OK)
         return st;
 
-    return mx_cuda_moe_sum(y, plan.y_sorted ? pair_rows : nullptr, plan.down_splits, plan.y_rows * H, p->topk_ids,
+    return mx_cuda_moe_sum(y, plan.y_sorted ? pair_rows : nullptr, plan.down_splits, split_count, plan.y_rows * H,
+                           p->topk_ids,
                            p->expert_map, M, p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype,
                            p->output, stream);
 }

@@ -208,6 +208,8 @@ typedef struct mx_fp8_gemm_args {
     int k_splits;               /* GEMM2 split-K (grid z) */
     int64_t k_split_len;        /* multiple of 128, >= k when k_splits == 1 */
     int64_t out_split_stride;   /* elements between y slices */
+    int32_t *split_count;       /* persistent Hopper GEMM2: as in mx_gemm_args */
+    int split_exact;
 } mx_fp8_gemm_args;
 
 #ifdef __cplusplus

@@ -144,6 +144,92 @@ static inline bool mx_sm90_down_by_sorted_row(int quant, int64_t k)
     return quant == MX_QUANT_FP8_BLOCK && k <= kSm90DownBoxesMaxK;
 }
 
+/* Split-K of the persistent kernel's GEMM2 (grouped_gemm_sm90_impl.cuh).
+ * Its units (m unit, n tile) go to a fixed grid of one CTA per SM, so a
+ * GEMM2 of few long units runs in whole rounds: Mixtral at M = 512 has ~12
+ * m tiles x 16 n tiles = 192 units of 112 fp8 k blocks on 132 SMs, two
+ * rounds where 1.45 would do (GEMM2 191 us against a 107 us weight stream,
+ * H200). Cut into s slices along K (slice slowest, each a float32 partial
+ * y that moe_sum adds), the same work takes ceil(s u / c) rounds of 1 / s
+ * the length. The kernel picks s on the device, from the tiles in use:
+ * the s <= max_splits with the fewest k blocks per CTA, counting each unit
+ * kSm90DownSplitUnitCost k blocks more, and s > 1 only where that is at
+ * least 10% fewer than one slice's. len: k blocks per slice, a multiple of
+ * align (per-tensor FP8 promotes pairs), every slice non-empty and at
+ * least kSm90DownSplitMinKBlocks long.
+ * Measured (profile_layer, H200, 2026-11-27, two rounds; slices against
+ * none): Mixtral GEMM2 bf16 M = 512 352 -> 288 us, M = 1024 527 -> 458,
+ * fp8_tensor M = 512 192 -> 165, M = 1024 251 -> 233, while moe_sum reads
+ * a slice more (+2.5 us at M = 512, +12 at 1024). Per round those fit
+ * ~0.7 us per k block plus 8-16 us per unit (its epilogue, y, the round's
+ * ramp): the unit cost below. The 128x128 block-scale GEMM2 at M = 1024,
+ * which a 2-block cost split, lost (321 -> 339 us). */
+constexpr int kSm90DownMaxSplits = 4;
+constexpr int kSm90DownSplitMinKBlocks = 16;
+constexpr int kSm90DownSplitUnitCost = 12;
+/* slices are allowed where the worst-case grid has at most this many units
+ * (4 rounds of 132 SMs: past that a slice saves at most 1 / 8 of a round's
+ * length, and y grows by a slice per split); more than two only up to
+ * kSm90DownSplitManyMaxUnits (3 or 4 slices gain over 2 only where a third
+ * of the SMs or fewer have a unit) */
+constexpr int64_t kSm90DownSplitMaxUnits = 528;
+constexpr int64_t kSm90DownSplitManyMaxUnits = 264;
+
+struct mx_sm90_split {
+    int count, len;
+};
+
+__host__ __device__ inline mx_sm90_split mx_sm90_down_split(int units, int slots, int max_splits, int k_blocks,
+                                                             int align)
+{
+    mx_sm90_split best = {1, k_blocks};
+    if (units < 1 || slots < 1)
+        return best;
+    /* int32 divisions (the launcher keeps units x slices in range): the
+     * kernel's every thread evaluates this before its loop */
+    const int64_t whole = static_cast<int64_t>((units + slots - 1) / slots) * (k_blocks + kSm90DownSplitUnitCost);
+    int64_t best_cost = whole;
+    for (int s = 2; s <= max_splits; ++s) {
+        const int len = ((k_blocks + s - 1) / s + align - 1) / align * align;
+        if (len < kSm90DownSplitMinKBlocks || (s - 1) * len >= k_blocks)
+            break;
+        const int64_t cost = static_cast<int64_t>((s * units + slots - 1) / slots) * (len + kSm90DownSplitUnitCost);
+        if (cost < best_cost && 10 * cost <= 9 * whole) {
+            best.count = s;
+            best.len = len;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
+/* Exactly n slices (a test setting, mx_cuda_set_sm90_down_splits), or the
+ * most below n whose slices are all non-empty. */
+__host__ __device__ inline mx_sm90_split mx_sm90_down_split_exact(int k_blocks, int n, int align)
+{
+    for (; n > 1; --n) {
+        const int len = ((k_blocks + n - 1) / n + align - 1) / align * align;
+        if ((n - 1) * len < k_blocks)
+            return mx_sm90_split{n, len};
+    }
+    return mx_sm90_split{1, k_blocks};
+}
+
+/* The most slices the plan makes room for (y [max, rows, H]): 1 where K
+ * is short or where the worst case has many units (kSm90DownSplitMaxUnits;
+ * 256-wide n tiles). k_blocks: 128-byte k blocks of GEMM2. (The block-scale
+ * GEMM2 takes none: its 128x128 tiles already make ~2x the units, and the
+ * one measured split lost, above.) */
+static inline int mx_sm90_down_max_splits(int64_t m_tiles, int64_t hidden, int64_t k_blocks)
+{
+    const int64_t units = m_tiles * ((hidden + 255) / 256);
+    if (units > kSm90DownSplitMaxUnits)
+        return 1;
+    const int64_t most = units > kSm90DownSplitManyMaxUnits ? 2 : kSm90DownMaxSplits;
+    const int64_t by_k = k_blocks / kSm90DownSplitMinKBlocks;
+    return static_cast<int>(by_k < 1 ? 1 : by_k < most ? by_k : most);
+}
+
 /* Hopper decode kernel (grouped_gemm_sm90_decode.cuh): one warpgroup per
  * CTA, 128 weight rows (wgmma m, two boxes of 64) x BT tokens (wgmma n) x
  * 128 bytes of K per stage. The float32 epilogue tile [128][BT + 1] reuses
@@ -258,9 +344,14 @@ static inline int mx_tile_is_sm90_decode(int config)
            config == MX_TILE_SM90_MID;
 }
 
+static inline int mx_tile_is_sm90_persistent(int config)
+{
+    return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR;
+}
+
 static inline int mx_tile_is_sm90(int config)
 {
-    return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR || mx_tile_is_sm90_decode(config);
+    return mx_tile_is_sm90_persistent(config) || mx_tile_is_sm90_decode(config);
 }
 
 /* The SIMT float32 path's tile rows (grouped_gemm_f32.cu). */
@@ -403,18 +494,24 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
     return pairs >= kSm90PairMinRowsPerExpert * e ? MX_TILE_SM90_PAIR : MX_TILE_SM90;
 }
 
-/* Split-K of GEMM2 (the down projection), decode config only: with few
- * experts (Mixtral: 2 at M = 1) the grid has too few CTAs to keep enough
- * loads in flight, so K is cut into slices, each CTA of a slice writing its
- * own float32 partial (summed later by moe_sum). Add slices while the
- * worst-case grid has under 200 CTAs, up to 4, each at least 8 k tiles.
- * Returns the slice count; *split_len gets the slice length (a multiple of
- * 64, so every slice is non-empty). */
+/* Split-K of GEMM2 (the down projection): with few experts (Mixtral: 2 at
+ * M = 1) the decode grids have too few CTAs to keep enough loads in
+ * flight, so K is cut into slices, each CTA of a slice writing its own
+ * float32 partial (summed later by moe_sum). mma.sync decode config: add
+ * slices while the worst-case grid has under 200 CTAs, up to 4, each at
+ * least 8 k tiles. Returns the slice count; *split_len gets the slice
+ * length (a multiple of 64, so every slice is non-empty). The persistent
+ * Hopper configs return the most slices their kernel may pick
+ * (mx_sm90_down_max_splits; *split_len = inter, unused). */
 static inline int mx_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
                                         int64_t *split_len)
 {
     if (config == MX_TILE_SM90_DECODE || config == MX_TILE_SM90_DECODE32)
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 2, split_len);
+    if (mx_tile_is_sm90_persistent(config)) {
+        *split_len = inter;
+        return mx_sm90_down_max_splits(m_tiles, hidden, (inter + 63) / 64);
+    }
     const int64_t k_tiles = (inter + 63) / 64;
     int64_t splits = 1;
     if (config == MX_TILE_DECODE) {

@@ -226,17 +226,24 @@ static inline bool mx_fp8_sm90_block_gemm1_quantizes_act(int config, bool gated,
     return config == MX_FP8_TILE_SM90 && gated && mx_fp8_sm90_block_wide_gemm1(true, inter);
 }
 
-/* Split-K of GEMM2 (decode config only): with few experts the grid has
- * too few CTAs to stream the weights (Mixtral at M = 1: 2 experts x 32
- * n tiles), so K is cut into slices whose float32 partials moe_sum adds.
- * Add slices while the worst-case grid has under 256 CTAs, up to 8, each of
- * at least 3 k tiles (384 columns). Returns the slice count; *split_len
- * gets the slice length (a multiple of 128: whole scale blocks). */
+/* Split-K of GEMM2: with few experts the decode grids have too few CTAs
+ * to stream the weights (Mixtral at M = 1: 2 experts x 32 n tiles), so K is
+ * cut into slices whose float32 partials moe_sum adds. mma.sync decode
+ * config: add slices while the worst-case grid has under 256 CTAs, up to 8,
+ * each of at least 3 k tiles (384 columns). Returns the slice count;
+ * *split_len gets the slice length (a multiple of 128: whole scale blocks).
+ * The persistent Hopper config returns the most slices its kernel may pick
+ * (gemm_configs.cuh mx_sm90_down_max_splits: per tensor only; *split_len =
+ * inter, unused). */
 static inline int mx_fp8_select_down_splits(int config, int64_t m_tiles, int64_t hidden, int64_t inter,
-                                            int64_t *split_len)
+                                            int quant, int64_t *split_len)
 {
     if (config == MX_FP8_TILE_SM90_DECODE || config == MX_FP8_TILE_SM90_DECODE32)
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 1, split_len);
+    if (config == MX_FP8_TILE_SM90) {
+        *split_len = inter;
+        return quant == MX_QUANT_FP8_BLOCK ? 1 : mx_sm90_down_max_splits(m_tiles, hidden, (inter + 127) / 128);
+    }
     const int64_t k_tiles = (inter + 127) / 128;
     int64_t splits = 1;
     if (config == MX_FP8_TILE_DECODE) {

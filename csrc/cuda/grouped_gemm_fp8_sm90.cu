@@ -45,7 +45,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: A by sorted row is a persistent GEMM1 form");
     /* TMA: 16-byte row strides and bases; one GEMM1 weight box (64 rows) per
      * 128-row scale block with block scales */
-    if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) || (f->k_splits != 1 && !decode) ||
+    if (f->k % 16 || f->lda % 16 || !mx_aligned16(f->a) || !mx_aligned16(f->w) ||
         (quant == MX_QUANT_FP8_BLOCK && kind == MX_GEMM_GATE_UP && f->out_cols % 64))
         return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: operands break the TMA preconditions");
     mx_gemm_args g;
@@ -71,6 +71,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.k_splits = f->k_splits;
     g.k_split_len = f->k_split_len;
     g.out_split_stride = f->out_split_stride;
+    g.split_count = f->split_count;
+    g.split_exact = f->split_exact;
     g.rows = kind == MX_GEMM_LINEAR ? f->rows : 0;
     g.pairs = kind == MX_GEMM_LINEAR ? 0 : f->pairs;
     g.y_by_sorted_row = f->y_by_sorted_row;

@@ -38,7 +38,8 @@ extern "C" {
 int mx_cuda_sm90_gemm_available(void);
 
 /* One grouped GEMM (mx_gemm_args as for mx_cuda_grouped_gemm_bf16, tile
- * tables built with block_m = 128, k_splits == 1); tile_config is
+ * tables built with block_m = 128; k_splits > 1 only for GEMM2, as the
+ * most k slices, with split_count: grouped_gemm_sm90_impl.cuh); tile_config is
  * MX_TILE_SM90 or MX_TILE_SM90_PAIR (gemm_configs.cuh). Preconditions (TMA):
  * g->k, g->n_rows, g->lda multiples of 8; g->a, g->w 16-byte aligned.
  * GEMM1 kinds read the rows of g->a by token (sorted_ids[s] / top_k) in

@@ -52,8 +52,20 @@ __device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t firs
     }
 }
 
+/* GEMM2's y slice `split` (split-K: gemm_configs.cuh mx_sm90_down_split)
+ * and its expert's bias row, which only slice 0 adds (null otherwise). */
+__device__ __forceinline__ float *sm90_down_y(const mx_gemm_args &g, int split)
+{
+    return static_cast<float *>(g.out) + split * g.out_split_stride;
+}
+template <typename T> __device__ __forceinline__ const T *sm90_down_bias(const mx_gemm_args &g, int expert, int split)
+{
+    return g.bias && split == 0 ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+}
+
 /* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
- * (sc: the per-tensor FP8 scales, else 1), stored from the fragments (the
+ * (sc: the per-tensor FP8 scales, else 1), into y's slice `split` (the bias
+ * on slice 0 only: sm90_down_bias), stored from the fragments (the
  * block-scale kernels: sm90_warp_staged). Stores are 16 bytes: lanes q and
  * q ^ 1 swap a pair, so that the even lane holds 4 columns of row lo and the
  * odd lane the same 4 of row hi (out_cols is a multiple of 8: the launcher's
@@ -62,13 +74,13 @@ __device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t firs
  * M = 4096 227 -> 221 us, bf16 1-3% (H100, logs/2026-11-25-nvidia-h100-ab-unit-ahead.txt). */
 template <typename T, typename Shape>
 __device__ __forceinline__ void sm90_store_down_direct(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int q,
-                                                       int nt, int expert, const mx_gemm_args &g, float sc)
+                                                       int nt, int expert, int split, const mx_gemm_args &g, float sc)
 {
     constexpr int BN = Shape::kBlockN;
-    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const T *bias = sm90_down_bias<T>(g, expert, split);
     const bool even = (q & 1) == 0;
     const int32_t pair = even ? rows.pair_lo : rows.pair_hi;
-    float *y_row = static_cast<float *>(g.out) + static_cast<int64_t>(pair) * g.ldo;
+    float *y_row = sm90_down_y(g, split) + static_cast<int64_t>(pair) * g.ldo;
     /* column group i: the quad's columns tile_col + 8i + [0, 8); the thread's
      * pair at + 2q, its 16-byte store at + 2 (q & ~1) */
     const int64_t tile_col = static_cast<int64_t>(nt) * BN;
@@ -114,18 +126,19 @@ __device__ __forceinline__ int32_t sm90_line_row_pair(const sm90_rows &rows, int
  * it (gpt-oss GEMM2 at M = 4096 +3%, H200 2026-11-26). */
 template <typename T, typename Shape>
 __device__ __forceinline__ void sm90_store_down_staged(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
-                                                       int nt, int expert, const mx_gemm_args &g, float sc, float *stage)
+                                                       int nt, int expert, int split, const mx_gemm_args &g, float sc,
+                                                       float *stage)
 {
     constexpr int BN = Shape::kBlockN;
     const int q = lane % 4, r = lane / 4;
-    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const T *bias = sm90_down_bias<T>(g, expert, split);
     const int64_t tile_col = static_cast<int64_t>(nt) * BN;
     /* the y row of each row this lane stores, null for padding */
     float *y_row[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int32_t pair = sm90_line_row_pair(rows, lane, j);
-        y_row[j] = pair >= 0 ? static_cast<float *>(g.out) + static_cast<int64_t>(pair) * g.ldo + tile_col : nullptr;
+        y_row[j] = pair >= 0 ? sm90_down_y(g, split) + static_cast<int64_t>(pair) * g.ldo + tile_col : nullptr;
     }
     /* the bias pairs of tile columns (2p, 2p + 1) at bias_pairs[p] */
     uint32_t *bias_pairs = reinterpret_cast<uint32_t *>(stage + 16 * 32);
@@ -522,7 +535,7 @@ __device__ __forceinline__ void sm90_store_act_q(const float (&acc)[Shape::kBloc
  * with per-tensor FP8 scales ends with one atomic amax per warp. */
 template <typename T, typename Shape, int KIND, int QUANT>
 __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN / 2], const sm90_rows &rows, int lane,
-                                              int nt, int expert, const mx_gemm_args &g, float sc,
+                                              int nt, int expert, int split, const mx_gemm_args &g, float sc,
                                               const mx_sm90_scales &scales, const sm90_out_stage &stage,
                                               unsigned char *warp_stage, const CUtensorMap *map_out, int warp_row0)
 {
@@ -538,9 +551,10 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
         sm90_store_down_boxes<T, Shape>(acc, rows, lane, nt, expert, g, sc, mx_smem_addr(warp_stage), map_out,
                                         warp_row0);
     } else if (KIND == MX_GEMM_DOWN && kWarpStaged) {
-        sm90_store_down_staged<T, Shape>(acc, rows, lane, nt, expert, g, sc, reinterpret_cast<float *>(warp_stage));
+        sm90_store_down_staged<T, Shape>(acc, rows, lane, nt, expert, split, g, sc,
+                                         reinterpret_cast<float *>(warp_stage));
     } else if (KIND == MX_GEMM_DOWN) {
-        sm90_store_down_direct<T, Shape>(acc, rows, lane % 4, nt, expert, g, sc);
+        sm90_store_down_direct<T, Shape>(acc, rows, lane % 4, nt, expert, split, g, sc);
     } else if (KIND == MX_GEMM_GATE_UP_INTERLEAVED) {
         sm90_store_act<T, Shape, KIND, MX_ACT_SWIGLUOAI, kAmax, kWarpStaged>(acc, rows, lane, nt, expert, g, sc, amax, stage,
                                                                               warp_stage);

@@ -58,16 +58,21 @@
  * n_tiles, read off the tile table moe_align wrote (*num_tiles,
  * tile_expert) on the device, so nothing is read back to the host. Unit
  * order: groups of kGroupM m units, m fastest inside a group, so that the
- * CTAs running together share weight slices and A rows in L2. The producer
- * runs ahead across tile boundaries, so the loads of the next tile overlap
- * the epilogue of this one.
+ * CTAs running together share weight slices and A rows in L2. GEMM2 may
+ * cut K into slices (g.k_splits > 1: at most that many; the count picked on
+ * the device from the tiles in use, gemm_configs.cuh mx_sm90_down_split,
+ * and written to *g.split_count for moe_sum): the units then repeat per
+ * slice, slice slowest, each storing its float32 partial into y's slice
+ * (bias on slice 0). The producer runs ahead across tile boundaries, so the
+ * loads of the next tile overlap the epilogue of this one.
  * Epilogue: grouped_gemm_sm90_epilogue.cuh; the rows' pair indices and
  * routing weights are loaded when the tile starts (GEMM2: one unit ahead,
  * sm90_unit).
  *
  * The launcher guarantees: tile tables from moe_align with block_m = 128;
  * K, n_rows and the row strides multiples of 8 elements and A / W bases
- * 16-byte aligned (TMA); no split-K. */
+ * 16-byte aligned (TMA); k slices only for GEMM2 with y by pair, at most
+ * kSm90DownMaxSplits, with split_count. */
 #ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
 #define MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
 
@@ -109,6 +114,7 @@ template <int G> __device__ __forceinline__ void sm90_unit_coords(int unit, int 
  * logs/2026-11-25-nvidia-h100-ab-unit-ahead.txt). */
 struct sm90_unit {
     int nt, mt;       /* n tile, m tile */
+    int split;        /* GEMM2's k slice */
     bool real;        /* mt < num_tiles (false: the phantom tile of an odd count) */
     int expert;       /* tile_expert[mt] (0 for a phantom tile) */
     float scale;      /* per-tensor FP8: a_scale * w_scale[expert]; else 1 */
@@ -123,8 +129,12 @@ __device__ __forceinline__ sm90_unit sm90_unit_start(int unit, int total, int nu
     sm90_unit u;
     int mu = num_mu;
     u.nt = 0;
-    if (unit < total)
-        sm90_unit_coords<G>(unit, num_mu, n_tiles, mu, u.nt);
+    u.split = 0;
+    if (unit < total) {
+        const int per_split = num_mu * n_tiles;
+        u.split = unit / per_split;
+        sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
+    }
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = unit < total && u.mt < num_m;
     u.expert = u.real ? g.tile_expert[u.mt] : 0;
@@ -162,7 +172,9 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
 {
     sm90_unit u;
     int mu;
-    sm90_unit_coords<G>(unit, num_mu, n_tiles, mu, u.nt);
+    const int per_split = num_mu * n_tiles;
+    u.split = KIND == MX_GEMM_DOWN ? unit / per_split : 0;
+    sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = u.mt < num_m;
     u.expert = 0;
@@ -267,12 +279,31 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int cluster = blockIdx.x / CM, clusters = gridDim.x / CM;
     const int num_m = *g.num_tiles;
     const int num_mu = (num_m + CM - 1) / CM;
-    const int total = num_mu * n_tiles;
     /* per-tensor FP8 promotes pairs of k blocks: an odd count gets one more,
      * past K, which the TMA zero-fills, so that no wgmma is conditional */
     constexpr bool kPromotePairs = QUANT == MX_QUANT_FP8_TENSOR;
     const int k_in_use = static_cast<int>((g.k + BK - 1) / BK);
     const int k_blocks = kPromotePairs ? (k_in_use + 1) & ~1 : k_in_use;
+    /* GEMM2 in k slices of split.len k blocks (gemm_configs.cuh
+     * mx_sm90_down_split, picked from the tiles in use), the slice slowest
+     * in the unit order; the count goes to moe_sum through g.split_count */
+    constexpr int kSplitAlign = kPromotePairs ? 2 : 1;
+    mx_sm90_split split = {1, k_blocks};
+    if (KIND == MX_GEMM_DOWN && g.k_splits > 1) {
+        split = g.split_exact ? mx_sm90_down_split_exact(k_blocks, g.k_splits, kSplitAlign)
+                              : mx_sm90_down_split(num_mu * n_tiles, clusters, g.k_splits, k_blocks, kSplitAlign);
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            *g.split_count = split.count;
+    }
+    const int per_split = num_mu * n_tiles;
+    const int total = per_split * split.count;
+    /* a unit's slice and its k blocks (GEMM1 kinds: 0, the whole K) */
+    auto slice_of = [&](int unit) { return KIND == MX_GEMM_DOWN ? unit / per_split : 0; };
+    auto k_first = [&](int slice) { return KIND == MX_GEMM_DOWN ? slice * split.len : 0; };
+    auto k_end = [&](int slice) {
+        return KIND == MX_GEMM_DOWN && slice * split.len + split.len < k_blocks ? slice * split.len + split.len
+                                                                                : k_blocks;
+    };
     const int wg = threadIdx.x / 128;
 
     if (wg == Shape::kMathWarpgroups) {
@@ -292,7 +323,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             uint32_t it = 0;
             for (int unit = cluster; unit < total; unit += clusters) {
                 int mu, nt;
-                sm90_unit_coords<Shape::kGroupM>(unit, num_mu, n_tiles, mu, nt);
+                const int slice = slice_of(unit);
+                sm90_unit_coords<Shape::kGroupM>(unit - slice * per_split, num_mu, n_tiles, mu, nt);
                 const int mt = mu * CM + static_cast<int>(rank);
                 /* a phantom m tile (odd count, last unit) still loads, so that the
                  * pair stays in lockstep; its epilogue is skipped */
@@ -316,7 +348,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     const int32_t pair = A_BY_TOKEN && own >= 0 ? g.sorted_ids[srow] : -1;
                     token[j] = pair >= 0 ? pair / g.top_k : -1;
                 }
-                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                const int kb_end = k_end(slice);
+                for (int kb = k_first(slice); kb < kb_end; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(empty_bar(s), phase ^ 1u); /* a fresh barrier passes parity 1 at once */
                     const uint32_t a_dst = base + s * STAGE_BYTES, w_dst = a_dst + A_BYTES;
@@ -385,6 +418,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             if (more)
                 next = sm90_unit_start<Shape::kGroupM>(unit + clusters, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
             const int nt = cur.nt, mt = cur.mt, expert = cur.expert;
+            const int kb_lo = k_first(cur.split), kb_hi = k_end(cur.split);
             const sm90_rows &rows = cur.rows;
             /* block scales of the thread's rows and of the tile's weight boxes */
             const float *sa_lo = nullptr, *sa_hi = nullptr, *sw0 = nullptr, *sw1 = nullptr;
@@ -402,7 +436,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 /* two sets of products: k block kb + 1's wgmmas are issued before
                  * k block kb is waited for and promoted */
                 auto issue = [&](int kb, float(&p)[BN / 2]) {
-                    const uint32_t n = it + kb, s = n % STAGES;
+                    const uint32_t n = it + (kb - kb_lo), s = n % STAGES;
                     mbar_wait(full_bar(s), (n / STAGES) & 1u);
                     if (A_BY_TOKEN)
                         fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
@@ -424,7 +458,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     else
                         wgmma_wait<0>();
                     fence_acc(p);
-                    release((it + kb) % STAGES);
+                    release((it + (kb - kb_lo)) % STAGES);
                     const float lo0 = a_lo * w0, lo1 = a_lo * w1, hi0 = a_hi * w0, hi1 = a_hi * w1;
 #pragma unroll
                     for (int i = 0; i < BN / 8; ++i) {
@@ -435,22 +469,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         acc[4 * i + 3] = fmaf(p[4 * i + 3], box1 ? hi1 : hi0, acc[4 * i + 3]);
                     }
                 };
-                issue(0, part);
-                int kb = 0;
-                for (; kb + 2 < k_blocks; kb += 2) {
+                issue(kb_lo, part);
+                int kb = kb_lo;
+                for (; kb + 2 < kb_hi; kb += 2) {
                     issue(kb + 1, part_next);
                     promote(kb, part, true);
                     issue(kb + 2, part);
                     promote(kb + 1, part_next, true);
                 }
-                if (kb + 1 < k_blocks) {
+                if (kb + 1 < kb_hi) {
                     issue(kb + 1, part_next);
                     promote(kb, part, true);
                     promote(kb + 1, part_next, false);
                 } else {
                     promote(kb, part, false);
                 }
-                it += k_blocks;
+                it += kb_hi - kb_lo;
             } else if constexpr (QUANT != MX_QUANT_NONE) {
                 /* the tensor cores' FP8 accumulation keeps too few bits over a long
                  * K: each weight box's products go into part and are added to acc
@@ -471,7 +505,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                  * 500-900 bytes. */
                 constexpr int KB = kBlockScales ? 1 : 2; /* k blocks per promotion */
                 static_assert(STAGES >= KB, "a promotion holds KB slots");
-                for (int kb = 0; kb < k_blocks; kb += KB) {
+                for (int kb = kb_lo; kb < kb_hi; kb += KB) {
                     /* block scales of this k block, loaded while the slot fills */
                     float lo[2] = {1.0f, 1.0f}, hi[2] = {1.0f, 1.0f};
                     if (kBlockScales) {
@@ -524,7 +558,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 }
             } else {
                 uint32_t prev = 0;
-                for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+                for (int kb = kb_lo; kb < kb_hi; ++kb, ++it) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1u;
                     mbar_wait(full_bar(s), phase);
                     if (A_BY_TOKEN)
@@ -535,10 +569,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #pragma unroll
                     for (int kk = 0; kk < KSTEPS; ++kk)
                         sm90_wgmma<TA, BN>::run(acc, sw128_desc(a_src + kk * 32), sw128_desc(w_src + kk * 32),
-                                                (kb | kk) != 0);
+                                                kb != kb_lo || kk != 0);
                     wgmma_commit();
                     fence_acc(acc);
-                    if (kb > 0) {
+                    if (kb > kb_lo) {
                         /* the previous k-block's wgmmas have retired: its slot is free */
                         wgmma_wait<1>();
                         fence_acc(acc);
@@ -565,8 +599,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     sm90_down_boxes<KIND, QUANT>() ? Shape::kDownStageBytes : Shape::kWarpStageBytes;
                 unsigned char *warp_stage =
                     sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * kWarpBytes;
-                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, g, cur.scale, sc, stage, warp_stage,
-                                                     &tma_out, mt * BM + wg * 64 + warp_in_wg * 16);
+                sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, cur.split, g, cur.scale, sc, stage,
+                                                     warp_stage, &tma_out, mt * BM + wg * 64 + warp_in_wg * 16);
                 if constexpr (sm90_staged_out<KIND>()) {
                     fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
                     named_barrier_sync(1 + wg, 128);
@@ -656,12 +690,14 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
                                             sm90_dtype<T>::name(), Shape::kBlockM, BN, mx_gemm_kind_name(KIND),
                                             sm90_quant_names[QUANT], A_BY_TOKEN ? ", A by token" : "");
     const char *name = kernel_name.text;
-    if (m_tiles * n_tiles > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
+    if (m_tiles * n_tiles * g.k_splits > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
                               (long long)n_tiles);
-    if (g.k_splits != 1)
-        return mx_status_fail(MX_ERR_VALUE, "%s: split-K is not supported", name);
     const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
+    if (g.k_splits < 1 ||
+        (g.k_splits > 1 && (KIND != MX_GEMM_DOWN || boxes || !g.split_count || g.k_splits > kSm90DownMaxSplits)))
+        return mx_status_fail(MX_ERR_VALUE, "%s: %d k slices (GEMM2 by pair only, at most %d, with split_count)",
+                              name, g.k_splits, kSm90DownMaxSplits);
     if (g.y_by_sorted_row && !boxes)
         return mx_status_fail(MX_ERR_VALUE, "%s: y by sorted row is not compiled here", name);
     constexpr bool kQuantAct = sm90_quantizes_act<Shape, KIND, QUANT>();
@@ -696,7 +732,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
         return st;
 
     constexpr int CM = Shape::kClusterM;
-    const int64_t worst = mx_ceil_div(m_tiles, CM) * n_tiles; /* work units */
+    const int64_t worst = mx_ceil_div(m_tiles, CM) * n_tiles * g.k_splits; /* work units */
     const int64_t clusters = sm90_max_clusters<Shape>(kernel, device, CM, Shape::kThreads, static_cast<int>(kSmem));
     const int64_t grid = CM * (worst < clusters ? worst : clusters);
     if (CM == 1) {

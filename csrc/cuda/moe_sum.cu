@@ -5,7 +5,8 @@
  * slice a partial sum over K); a pair's row is its index (y [splits, M k,
  * H]), or, where GEMM2 wrote y by sorted row (the persistent Hopper kernel
  * with block scales, gemm_configs.cuh mx_sm90_down_by_sorted_row),
- * pair_rows[pair] (moe_align).
+ * pair_rows[pair] (moe_align). The slice count is `splits`, or
+ * *split_count where the persistent GEMM2 picked it on the device.
  * out [M, H] in the activation dtype. Slots whose id has no local expert
  * were never written and are skipped (pair_rows holds -1 for them; by pair
  * their ids are re-derived from topk_ids / expert_map exactly as moe_align
@@ -41,7 +42,8 @@ template <typename T> struct vec4_store {
 
 template <typename T, bool kVec4>
 __global__ void __launch_bounds__(kSumThreads)
-    moe_sum_kernel(const float *__restrict__ y, const int32_t *__restrict__ pair_rows, int splits, int64_t split_stride,
+    moe_sum_kernel(const float *__restrict__ y, const int32_t *__restrict__ pair_rows, int max_splits,
+                   const int32_t *__restrict__ split_count, int64_t split_stride,
                    const int32_t *__restrict__ topk_ids, const int32_t *__restrict__ expert_map, int top_k,
                    int64_t hidden, int64_t global_experts, int64_t local_experts, T *__restrict__ out)
 {
@@ -57,6 +59,7 @@ __global__ void __launch_bounds__(kSumThreads)
     __syncthreads();
     mx_griddep_wait();
     mx_griddep_launch_dependents();
+    const int splits = split_count ? *split_count : max_splits;
 
     const int64_t c = static_cast<int64_t>(blockIdx.y) * kSumThreads + threadIdx.x;
     if (kVec4) {
@@ -98,7 +101,8 @@ __global__ void __launch_bounds__(kSumThreads)
 }
 
 template <typename T>
-mx_status launch(const float *y, const int32_t *pair_rows, int splits, int64_t split_stride, const int32_t *ids,
+mx_status launch(const float *y, const int32_t *pair_rows, int splits, const int32_t *split_count,
+                 int64_t split_stride, const int32_t *ids,
                  const int32_t *map, int64_t tokens, int top_k, int64_t hidden, int64_t ge, int64_t le, void *out,
                  cudaStream_t stream)
 {
@@ -107,13 +111,14 @@ mx_status launch(const float *y, const int32_t *pair_rows, int splits, int64_t s
     const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(mx_ceil_div(cols, kSumThreads)));
     auto kernel = vec4 ? moe_sum_kernel<T, true> : moe_sum_kernel<T, false>;
     return mx_check_call(mx_launch_after(kernel, grid, dim3(kSumThreads), top_k * sizeof(int32_t), stream, y, pair_rows,
-                                         splits, split_stride, ids, map, top_k, hidden, ge, le, static_cast<T *>(out)),
+                                         splits, split_count, split_stride, ids, map, top_k, hidden, ge, le, static_cast<T *>(out)),
                          "moe_sum_kernel");
 }
 
 } /* namespace */
 
-extern "C" mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits, int64_t split_stride,
+extern "C" mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, int k_splits,
+                                     const int32_t *split_count, int64_t split_stride,
                                      const int32_t *topk_ids, const int32_t *expert_map, int64_t tokens, int top_k,
                                      int64_t hidden, int64_t global_experts, int64_t local_experts, mx_dtype dtype,
                                      void *out, cudaStream_t stream)
@@ -123,13 +128,13 @@ extern "C" mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, i
                               (long long)hidden);
     switch (dtype) {
     case MX_BF16:
-        return launch<__nv_bfloat16>(y, pair_rows, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
+        return launch<__nv_bfloat16>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
                                      global_experts, local_experts, out, stream);
     case MX_F16:
-        return launch<__half>(y, pair_rows, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
+        return launch<__half>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
                               global_experts, local_experts, out, stream);
     case MX_F32:
-        return launch<float>(y, pair_rows, k_splits, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
+        return launch<float>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
                              global_experts, local_experts, out, stream);
     default:
         return mx_status_fail(MX_ERR_TYPE, "moe_sum: dtype %s", mx_dtype_name(dtype));

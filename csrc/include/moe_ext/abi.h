@@ -251,6 +251,14 @@ mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspace, void *st
  * (csrc/cuda/decode_fused.cu; on by default); returns the previous setting.
  * For tests and benchmarks that compare it with the multi-launch pipeline. */
 int mx_cuda_set_decode_fused(int enabled);
+/* The persistent Hopper kernel's GEMM2 picks how many k slices to run on the
+ * device (csrc/cuda/gemm_configs.cuh mx_sm90_down_split); n >= 1 makes it
+ * run exactly n where K allows (at most 4), 0 restores the pick. Returns
+ * the previous setting. For tests. */
+int mx_cuda_set_sm90_down_splits(int n);
+/* That pick as the kernel makes it, for units work units on slots CTAs
+ * (count slices of len k blocks). For tests. */
+void mx_cuda_sm90_down_split_rule(int units, int slots, int max_splits, int k_blocks, int align, int *count, int *len);
 mx_status mx_cuda_copy(const mx_tensor *dst, const mx_tensor *src, void *stream);
 mx_status mx_cuda_fp8_quant(const mx_fp8_quant_problem *p, void *stream);
 size_t mx_cuda_fp8_linear_workspace_bytes(const mx_fp8_linear_problem *p);
