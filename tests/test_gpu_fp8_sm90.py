@@ -203,10 +203,10 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
 @pytest.mark.parametrize("splits", [0, 1, 3])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_persistent_down_split_k(method, splits, gen):
-    """The persistent kernel's FP8 GEMM2 in k slices (gemm_configs.cuh mx_sm90_down_split), bias
-    on slice 0: ~150 rows per expert, I = 4224 (33 k blocks; per tensor 34 in promoted pairs, so
-    slices of 18 and 16), y by pair (I > 4096). Per tensor the kernel picks 2 (splits 0), block
-    scales take none by default; 1 and 3 forced (_set_sm90_down_splits)."""
+    """The persistent kernel's per-tensor FP8 GEMM2 in k slices (gemm_configs.cuh
+    mx_sm90_down_split), bias on slice 0: ~150 rows per expert, I = 4224 (33 k blocks, 34 in
+    promoted pairs, so slices of 18 and 16), y by pair (I > 4096). The kernel picks 2 (splits 0);
+    1 and 3 forced (_set_sm90_down_splits). Block scales take no slices, forced or not."""
     e, k, h, i = 4, 2, 272, 4224
     layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
     with down_splits(splits):

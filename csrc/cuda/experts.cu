@@ -83,7 +83,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
                                                   p->intermediate_size, &plan->down_split_len);
         if (mx_tile_is_sm90_persistent(plan->tile_config))
             mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (p->intermediate_size + 63) / 64, 1,
-                                        0);
+                                        1);
     }
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
@@ -163,10 +163,10 @@ extern "C" void mx_cuda_sm90_down_split_rule(int units, int slots, int max_split
     *len = split.len;
 }
 
-extern "C" void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align, int by_sorted_row)
+extern "C" void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align, int takes_slices)
 {
     const int n = sm90_down_splits_set.load(std::memory_order_relaxed);
-    if (n < 1 || by_sorted_row)
+    if (n < 1 || !takes_slices)
         return;
     *splits = mx_sm90_down_split_exact(static_cast<int>(k_blocks), n < kSm90DownMaxSplits ? n : kSm90DownMaxSplits,
                                        align).count;

@@ -71,8 +71,8 @@
  *
  * The launcher guarantees: tile tables from moe_align with block_m = 128;
  * K, n_rows and the row strides multiples of 8 elements and A / W bases
- * 16-byte aligned (TMA); k slices only for GEMM2 with y by pair, at most
- * kSm90DownMaxSplits, with split_count. */
+ * 16-byte aligned (TMA); k slices only for sm90_takes_slices (y by pair),
+ * at most kSm90DownMaxSplits, with split_count. */
 #ifndef MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
 #define MOE_EXT_CUDA_GROUPED_GEMM_SM90_IMPL_CUH
 
@@ -84,6 +84,13 @@
 namespace {
 
 /* ---- tile order and work units ---------------------------------------------------- */
+
+/* The GEMMs that may run in k slices: GEMM2 per tensor and 16-bit (the
+ * block-scale GEMM2 does not: gemm_configs.cuh mx_sm90_down_max_splits). */
+template <int KIND, int QUANT> constexpr bool sm90_takes_slices()
+{
+    return KIND == MX_GEMM_DOWN && QUANT != MX_QUANT_FP8_BLOCK;
+}
 
 /* Persistent work-unit index -> (m unit, n tile): groups of G m units (the
  * last group shorter), m fastest inside a group. An m unit is kClusterM
@@ -173,7 +180,7 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
     sm90_unit u;
     int mu;
     const int per_split = num_mu * n_tiles;
-    u.split = KIND == MX_GEMM_DOWN ? unit / per_split : 0;
+    u.split = sm90_takes_slices<KIND, QUANT>() ? unit / per_split : 0;
     sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = u.mt < num_m;
@@ -289,7 +296,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
      * in the unit order; the count goes to moe_sum through g.split_count */
     constexpr int kSplitAlign = kPromotePairs ? 2 : 1;
     mx_sm90_split split = {1, k_blocks};
-    if (KIND == MX_GEMM_DOWN && g.k_splits > 1) {
+    constexpr bool kSlices = sm90_takes_slices<KIND, QUANT>();
+    if (kSlices && g.k_splits > 1) {
         split = g.split_exact ? mx_sm90_down_split_exact(k_blocks, g.k_splits, kSplitAlign)
                               : mx_sm90_down_split(num_mu * n_tiles, clusters, g.k_splits, k_blocks, kSplitAlign);
         if (blockIdx.x == 0 && threadIdx.x == 0)
@@ -298,10 +306,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int per_split = num_mu * n_tiles;
     const int total = per_split * split.count;
     /* a unit's slice and its k blocks (GEMM1 kinds: 0, the whole K) */
-    auto slice_of = [&](int unit) { return KIND == MX_GEMM_DOWN ? unit / per_split : 0; };
-    auto k_first = [&](int slice) { return KIND == MX_GEMM_DOWN ? slice * split.len : 0; };
+    auto slice_of = [&](int unit) { return kSlices ? unit / per_split : 0; };
+    auto k_first = [&](int slice) { return kSlices ? slice * split.len : 0; };
     auto k_end = [&](int slice) {
-        return KIND == MX_GEMM_DOWN && slice * split.len + split.len < k_blocks ? slice * split.len + split.len
+        return kSlices && slice * split.len + split.len < k_blocks ? slice * split.len + split.len
                                                                                 : k_blocks;
     };
     const int wg = threadIdx.x / 128;
@@ -694,9 +702,10 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
                               (long long)n_tiles);
     const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
-    if (g.k_splits < 1 ||
-        (g.k_splits > 1 && (KIND != MX_GEMM_DOWN || boxes || !g.split_count || g.k_splits > kSm90DownMaxSplits)))
-        return mx_status_fail(MX_ERR_VALUE, "%s: %d k slices (GEMM2 by pair only, at most %d, with split_count)",
+    if (g.k_splits < 1 || (g.k_splits > 1 && (!sm90_takes_slices<KIND, QUANT>() || boxes || !g.split_count ||
+                                               g.k_splits > kSm90DownMaxSplits)))
+        return mx_status_fail(MX_ERR_VALUE,
+                              "%s: %d k slices (GEMM2 per tensor or 16-bit, by pair, at most %d, with split_count)",
                               name, g.k_splits, kSm90DownMaxSplits);
     if (g.y_by_sorted_row && !boxes)
         return mx_status_fail(MX_ERR_VALUE, "%s: y by sorted row is not compiled here", name);
