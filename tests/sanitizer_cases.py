@@ -1,9 +1,9 @@
 """Small CUDA forwards run under compute-sanitizer by test_sanitizer.py: routing modes,
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
 multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
-64-token tiles, split-K), the persistent kernel (>= 64 rows per expert), FP8 on both, and
-moe_ext.Linear; routing fused with the sort (M <= 16) and apart, the sort in one block and
-split over chunks (> 8192 pairs)."""
+64-token tiles, split-K), the persistent kernel (>= 64 rows per expert; GEMM2 in k slices), FP8
+on both, and moe_ext.Linear; routing fused with the sort (M <= 16) and apart, the sort in one
+block and split over chunks (> 8192 pairs)."""
 import torch
 
 import moe_ext
@@ -39,6 +39,26 @@ def main():
     for m in (100, 300):
         x = torch.randn(m, kw["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
         assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
+    # the persistent GEMM2 in k slices: 4 experts with ~150 rows each and I = 2112 (33 k blocks),
+    # the kernel's pick (2) and 3 forced; per-tensor FP8 (I = 768) with 3 forced
+    layer = moe_ext.FusedMoE(4, 2, 256, 2112, params_dtype=torch.bfloat16, device="cuda", has_bias=True)
+    fill(layer, gen)
+    x = torch.randn(300, 256, generator=gen).to("cuda", torch.bfloat16)
+    logits = torch.randn(300, 4, generator=gen).cuda()
+    for splits in (0, 3):
+        previous = moe_ext._C._set_sm90_down_splits(splits)
+        assert torch.isfinite(layer(x, logits)).all()
+        moe_ext._C._set_sm90_down_splits(previous)
+    layer = moe_ext.FusedMoE(4, 2, 256, 768, params_dtype=torch.bfloat16, device="cuda",
+                             quant_config=moe_ext.Fp8OnlineConfig())
+    for e in range(4):
+        for shard, shape in (("w1", (768, 256)), ("w3", (768, 256)), ("w2", (256, 768))):
+            param = layer.w2_weight if shard == "w2" else layer.w13_weight
+            param.weight_loader(param, torch.randn(*shape, generator=gen) * 0.05, "experts.weight",
+                                shard_id=shard, expert_id=e)
+    previous = moe_ext._C._set_sm90_down_splits(3)  # 6 k blocks: 3 slices of 2
+    assert torch.isfinite(layer(x, logits)).all()
+    moe_ext._C._set_sm90_down_splits(previous)
     # 2100 tokens x top 4 = 8400 pairs: the sort splits over chunks (count / scan / scatter)
     layer = moe_ext.FusedMoE(32, 4, 128, 96, params_dtype=torch.bfloat16, device="cuda")
     fill(layer, gen)
@@ -56,6 +76,7 @@ def main():
             for m in tokens:
                 x = torch.randn(m, h, generator=gen).to("cuda", torch.bfloat16)
                 assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()
+
         lin = moe_ext.Linear(256, 200, bias=True, params_dtype=torch.bfloat16, device="cuda",
                              quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
         lin.weight.weight_loader(lin.weight, torch.randn(200, 256, generator=gen) * 0.05)
