@@ -126,6 +126,20 @@ def test_persistent_down_split_k(cfg, splits, gen):
         assert any(PERSISTENT_KERNEL in n for n in names), f"no {PERSISTENT_KERNEL} ran: {names}"
 
 
+@pytest.mark.parametrize("splits", [0, 3])
+def test_cluster_pairs_down_split_k(splits, gen):
+    """The 2-CTA cluster kernel's GEMM2 in k slices: both CTAs of a cluster walk the same slice of
+    each unit (the weight halves multicast per k block). 1050 rows per expert, I = 2120 (34 k
+    blocks): the kernel's pick (one slice: 34 units on 66 clusters) and 3 forced."""
+    _, e, k, kw, corr = CONFIGS[1]  # swigluoai + bias
+    e, k = 4, 2
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=328, i=2120)
+    with down_splits(splits):
+        names = checked_forward(gen, torch.bfloat16, layer, reference, 2100, e)
+    if on_hopper():
+        assert any(PERSISTENT_KERNEL in n and PAIR_SHAPE in n for n in names), f"no {PAIR_SHAPE} ran: {names}"
+
+
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
 def test_prefill_cluster_pairs(cfg, gen):
     """From 1024 rows per local expert (gemm_configs.cuh kSm90PairMinRowsPerExpert) the 16-bit
