@@ -179,6 +179,14 @@ struct mx_sm90_split {
     int count, len;
 };
 
+/* k blocks per slice of k_blocks in s slices: the even share rounded up
+ * to align, or 0 where that would leave the last slice empty */
+__host__ __device__ inline int mx_sm90_slice_len(int k_blocks, int s, int align)
+{
+    const int len = ((k_blocks + s - 1) / s + align - 1) / align * align;
+    return (s - 1) * len < k_blocks ? len : 0;
+}
+
 __host__ __device__ inline mx_sm90_split mx_sm90_down_split(int units, int slots, int max_splits, int k_blocks,
                                                              int align)
 {
@@ -190,8 +198,8 @@ __host__ __device__ inline mx_sm90_split mx_sm90_down_split(int units, int slots
     const int64_t whole = static_cast<int64_t>((units + slots - 1) / slots) * (k_blocks + kSm90DownSplitUnitCost);
     int64_t best_cost = whole;
     for (int s = 2; s <= max_splits; ++s) {
-        const int len = ((k_blocks + s - 1) / s + align - 1) / align * align;
-        if (len < kSm90DownSplitMinKBlocks || (s - 1) * len >= k_blocks)
+        const int len = mx_sm90_slice_len(k_blocks, s, align);
+        if (len < kSm90DownSplitMinKBlocks)
             break;
         const int64_t cost = static_cast<int64_t>((s * units + slots - 1) / slots) * (len + kSm90DownSplitUnitCost);
         if (cost < best_cost && 10 * cost <= 9 * whole) {
@@ -208,8 +216,8 @@ __host__ __device__ inline mx_sm90_split mx_sm90_down_split(int units, int slots
 __host__ __device__ inline mx_sm90_split mx_sm90_down_split_exact(int k_blocks, int n, int align)
 {
     for (; n > 1; --n) {
-        const int len = ((k_blocks + n - 1) / n + align - 1) / align * align;
-        if ((n - 1) * len < k_blocks)
+        const int len = mx_sm90_slice_len(k_blocks, n, align);
+        if (len > 0)
             return mx_sm90_split{n, len};
     }
     return mx_sm90_split{1, k_blocks};

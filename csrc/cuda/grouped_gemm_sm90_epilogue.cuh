@@ -52,15 +52,21 @@ __device__ __forceinline__ void sm90_load_bias_pairs(const T *bias, int64_t firs
     }
 }
 
+/* The expert's bias row (null without a bias). */
+template <typename T> __device__ __forceinline__ const T *sm90_expert_bias(const mx_gemm_args &g, int expert)
+{
+    return g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+}
+
 /* GEMM2's y slice `split` (split-K: gemm_configs.cuh mx_sm90_down_split)
- * and its expert's bias row, which only slice 0 adds (null otherwise). */
+ * and the bias row that slice adds: the expert's on slice 0, else none. */
 __device__ __forceinline__ float *sm90_down_y(const mx_gemm_args &g, int split)
 {
     return static_cast<float *>(g.out) + split * g.out_split_stride;
 }
 template <typename T> __device__ __forceinline__ const T *sm90_down_bias(const mx_gemm_args &g, int expert, int split)
 {
-    return g.bias && split == 0 ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    return split == 0 ? sm90_expert_bias<T>(g, expert) : nullptr;
 }
 
 /* GEMM2: y[pair, col] = (acc * sc + w2_bias[col]) * routing weight, float32
@@ -199,7 +205,7 @@ __device__ __forceinline__ void sm90_store_down_boxes(const float (&acc)[Shape::
     if (!__any_sync(0xffffffffu, rows.pair_lo >= 0 || rows.pair_hi >= 0))
         return;
     const int q = lane % 4, r = lane / 4;
-    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const T *bias = sm90_expert_bias<T>(g, expert);
     const int64_t tile_col = static_cast<int64_t>(nt) * BN;
     /* the bias pairs of columns 8u + 2q of this chunk and of the next */
     uint32_t bias_now[4], bias_next[4];
@@ -340,7 +346,7 @@ __device__ __forceinline__ void sm90_store_act(const float (&acc)[Shape::kBlockN
     const int q = lane % 4;
     const int64_t oc = g.out_cols;
     const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
-    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const T *bias = sm90_expert_bias<T>(g, expert);
     const bool lo = rows.pair_lo >= 0, hi = rows.pair_hi >= 0;
     const int64_t tile_col = static_cast<int64_t>(nt) * (KIND == MX_GEMM_UP ? BN : BN / 2);
     T *act_lo = static_cast<T *>(g.out) + rows.s_lo * g.ldo; /* direct stores */
@@ -488,7 +494,7 @@ __device__ __forceinline__ void sm90_store_act_q(const float (&acc)[Shape::kBloc
     const int q = lane % 4;
     const int64_t oc = g.out_cols;
     const float alpha = g.swiglu_alpha, limit = g.swiglu_limit;
-    const T *bias = g.bias ? static_cast<const T *>(g.bias) + static_cast<int64_t>(expert) * g.n_rows : nullptr;
+    const T *bias = sm90_expert_bias<T>(g, expert);
     const int64_t tile_col = static_cast<int64_t>(nt) * (BN / 2), col0 = tile_col + 2 * q;
     uint32_t gate_bias[GROUPS], up_bias[GROUPS];
     sm90_load_bias_pairs(bias, col0, 8, oc, gate_bias);
