@@ -1,8 +1,8 @@
 """Small CUDA forwards run under compute-sanitizer by test_sanitizer.py: routing modes,
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
 multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
-64-token tiles, split-K), the persistent kernel (>= 64 rows per expert; GEMM2 in k slices), FP8
-on both, and moe_ext.Linear; routing fused with the sort (M <= 16) and apart, the sort in one
+64-token tiles, split-K), the persistent kernel (>= 64 rows per expert; GEMM2 in k slices;
+per-tensor FP8 on ping-pong 64-row units), FP8 on both, and moe_ext.Linear; routing fused with the sort (M <= 16) and apart, the sort in one
 block and split over chunks (> 8192 pairs)."""
 import torch
 
@@ -59,6 +59,17 @@ def main():
     previous = moe_ext._C._set_sm90_down_splits(3)  # 6 k blocks: 3 slices of 2
     assert torch.isfinite(layer(x, logits)).all()
     moe_ext._C._set_sm90_down_splits(previous)
+    # per-tensor FP8 ping-pong units: 48 experts, top 4, 1200 tokens (~100 rows each, two 64-row
+    # tiles), I = 256 / H = 512 (2 n tiles each): ~192 units, so both warpgroups of a CTA take units
+    layer = moe_ext.FusedMoE(48, 4, 512, 256, params_dtype=torch.bfloat16, device="cuda",
+                             quant_config=moe_ext.Fp8OnlineConfig())
+    for e in range(48):
+        for shard, shape in (("w1", (256, 512)), ("w3", (256, 512)), ("w2", (512, 256))):
+            param = layer.w2_weight if shard == "w2" else layer.w13_weight
+            param.weight_loader(param, torch.randn(*shape, generator=gen) * 0.05, "experts.weight",
+                                shard_id=shard, expert_id=e)
+    x = torch.randn(1200, 512, generator=gen).to("cuda", torch.bfloat16)
+    assert torch.isfinite(layer(x, torch.randn(1200, 48, generator=gen).cuda())).all()
     # 2100 tokens x top 4 = 8400 pairs: the sort splits over chunks (count / scan / scatter)
     layer = moe_ext.FusedMoE(32, 4, 128, 96, params_dtype=torch.bfloat16, device="cuda")
     fill(layer, gen)

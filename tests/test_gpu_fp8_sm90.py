@@ -27,11 +27,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), 
 WGMMA_FP8 = "grouped_gemm_sm90_kernel<__nv_fp8_e4m3"
 DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
-WIDE_SHAPE = "mx_sm90_shape<256, 4, 1, 8>"  # the persistent kernel's 128x256 tiles
-NARROW_SHAPE = "mx_sm90_shape<128, 6, 1, 8>"  # its 128x128 tiles (block scales, gated GEMM1, I % 128 != 0)
+WIDE_SHAPE = "mx_sm90_shape<256, 4, 1, 8, false>"  # the persistent kernel's 128x256 tiles
+NARROW_SHAPE = "mx_sm90_shape<128, 6, 1, 8, false>"  # its 128x128 tiles (block scales, gated GEMM1, I % 128 != 0)
+PING_PONG_SHAPE = "mx_sm90_shape<256, 5, 1, 8, true>"  # its ping-pong 64-row units
 # the persistent FP8 GEMM1 (kinds 0-2; 3 is GEMM2): its last template argument, A_BY_TOKEN
 PERSISTENT_GEMM1_FP8 = re.compile(r"grouped_gemm_sm90_kernel<__nv_fp8_e4m3, .*mx_sm90_shape<[^>]*>, [012], [12], "
                                   r"(true|false)>")
+
+
+def ping_pong_units(method, cfg, rows_per_expert, h, i):
+    """Whether the FP8 rule puts the persistent kernel on ping-pong 64-row units
+    (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): per tensor, 64 to 127 rows per local
+    expert, H and I at most 2048, not the interleaved GEMM1."""
+    return (method == "tensor" and 64 <= rows_per_expert < 128 and max(h, i) <= 2048
+            and cfg[0] != "swigluoai-bias")
+
+
+def check_persistent_shapes(names, ping_pong):
+    """Both GEMMs ran on the persistent FP8 kernel, on ping-pong units or not."""
+    wgmma = [n for n in names if WGMMA_FP8 in n]
+    assert len(wgmma) == 2 and all((PING_PONG_SHAPE in n) == ping_pong for n in wgmma), names
 
 
 def persistent_gemm1_reads_by_token(names, rows_per_expert):
@@ -94,6 +109,32 @@ def test_fp8_prefill_single_ctas(method, gen):
         names = kernels_of(lambda: layer(x, logits))
         assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
         assert not any(PAIR_SHAPE in n for n in names), f"a {PAIR_SHAPE} kernel ran: {names}"
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_ping_pong_units(method, cfg, gen):
+    """Per tensor, 64 to 127 rows per local expert with short K run the persistent kernel's
+    ping-pong 64-row units, each math warpgroup every other unit of its CTA on the one ring (block
+    scales keep the 128-row tiles). ~100 rows per expert (two 64-row tiles, the second partial),
+    H = 2000 and I = 1088 (GEMM1 9 n tiles, 16 k blocks with a tail; GEMM2 8 n tiles, the last
+    past H, 9 k blocks promoted in pairs with a zero-filled 10th) make 288 / 256 units: on 132 SMs
+    both warpgroups of a CTA take units, some CTAs three."""
+    e, k, h, i = 16, 4, 2000, 1088
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, cfg)
+    names = checked_forward(gen, layer, 400, e, f"fp8 {method} {cfg[0]} ping-pong units", cfg=cfg)
+    if on_hopper():
+        check_persistent_shapes(names, method == "tensor")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_no_ping_pong_past_short_k(method, gen):
+    """Past K = 2048 (H = 2064) the same rows per expert keep the 128-row tiles."""
+    e, k, h, i = 16, 4, 2064, 1088
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
+    names = checked_forward(gen, layer, 400, e, f"fp8 {method} 128-row tiles at K = {h}")
+    if on_hopper():
+        check_persistent_shapes(names, False)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]], ids=[CONFIGS[0][0], CONFIGS[2][0]])
@@ -164,7 +205,7 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
     if on_hopper():
         tile = expected_gemm_kernel(m * k / e)
         if tile == PERSISTENT_KERNEL:
-            assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+            check_persistent_shapes(names, ping_pong_units(method, cfg, m * k / e, h, i))
             persistent_gemm1_reads_by_token(names, m * k / e)
         else:
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
@@ -196,7 +237,7 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
                             x_offset)
     if on_hopper():
         assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
-        assert any(WGMMA_FP8 in n for n in names), f"no {WGMMA_FP8} ran: {names}"
+        check_persistent_shapes(names, ping_pong_units(method, CONFIGS[0], m * k / layer.local_num_experts, h, i))
         persistent_gemm1_reads_by_token(names, m * k / layer.local_num_experts)
 
 

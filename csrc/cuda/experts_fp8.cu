@@ -137,12 +137,13 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->act_blocks = mx_ceil_div(I, kFp8Block);
     plan->down_splits =
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, p->quant, &plan->down_split_len);
-    const bool persistent = tile_config == MX_FP8_TILE_SM90;
+    const bool persistent = mx_fp8_tile_is_sm90_persistent(tile_config);
     plan->split_exact = 0;
     if (persistent && !block) {
         /* the kernel promotes pairs of k blocks (an even count) */
         const int64_t k_blocks = mx_ceil_div(I, 128);
-        mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (k_blocks + 1) & ~1, 2, 1);
+        mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (k_blocks + 1) & ~1, 2,
+                                    tile_config != MX_FP8_TILE_SM90_PP);
     }
     plan->a_sorted = persistent && !mx_fp8_sm90_gemm1_a_by_token(plan->pairs, local);
     plan->y_sorted = persistent && mx_sm90_down_by_sorted_row(p->quant, I);
@@ -173,7 +174,8 @@ int select_config(const mx_experts_problem *p, int aligned)
     if (aligned && (p->act_dtype == MX_BF16 || p->act_dtype == MX_F16) && mx_cuda_sm90_gemm_available()) {
         const int sm90 = mx_fp8_select_sm90_config(rows, p->num_local_experts, p->hidden_size, p->intermediate_size,
                                                    p->quant == MX_QUANT_FP8_BLOCK,
-                                                   p->is_act_and_mul && p->activation != MX_ACT_SWIGLUOAI);
+                                                   p->is_act_and_mul && p->activation != MX_ACT_SWIGLUOAI,
+                                                   p->is_act_and_mul && p->activation == MX_ACT_SWIGLUOAI);
         if (sm90 >= 0)
             return sm90;
     }

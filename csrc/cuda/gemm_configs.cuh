@@ -56,9 +56,13 @@ typedef mx_tile_shape<128, 128, 2, 4, 3, 2, 0> mx_tile_large;
 
 constexpr int kSm90BlockM = 128; /* also moe_align's block_m for this path */
 
-template <int BN, int STAGES, int CLUSTER_M, int GROUP_M>
+/* PING_PONG: each math warpgroup takes whole units of its own, 64 rows x BN
+ * (moe_align's block_m 64), the two in turn on the one ring, so that one's
+ * epilogue runs while the other's wgmmas drain the ring. */
+template <int BN, int STAGES, int CLUSTER_M, int GROUP_M, bool PING_PONG = false>
 struct mx_sm90_shape {
-    static constexpr int kBlockM = kSm90BlockM;
+    static constexpr bool kPingPong = PING_PONG;
+    static constexpr int kBlockM = PING_PONG ? 64 : kSm90BlockM; /* rows of a unit: a tile of the tile table */
     static constexpr int kBlockN = BN;      /* wgmma n; weight rows per tile, loaded as two boxes of BN/2 */
     static constexpr int kBlockKBytes = 128; /* the 128B swizzle span: 64 16-bit or 128 fp8 elements */
     static constexpr int kStages = STAGES;  /* TMA ring depth */
@@ -73,8 +77,9 @@ struct mx_sm90_shape {
     static constexpr uint32_t kWBytes = BN * kBlockKBytes;
     static constexpr uint32_t kStageBytes = kABytes + kWBytes;
     /* 1024 bytes of slack to align the slots to the swizzle atom, then the
-     * slots, then full and empty barriers (8 bytes each) */
-    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 2 * 8 * STAGES;
+     * slots, then full and empty barriers (8 bytes each; ping-pong: and the
+     * two warpgroups' turn barriers) */
+    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 2 * 8 * STAGES + (PING_PONG ? 16 : 0);
     /* interleaved GEMM1's act tile on its way out (TMA store), between the
      * slots and the barriers of that kind's kernel: per math warpgroup 64
      * rows x BN/2 16-bit columns, as BN/128 boxes of 64 x 64 (8 KB) */
@@ -93,12 +98,16 @@ struct mx_sm90_shape {
 
     static_assert(BN % 128 == 0 && BN <= 256, "wgmma n up to 256; interleaved GEMM1 tiles stage whole 64-column boxes");
     static_assert(kStageBytes % 1024 == 0 && kWBytes % 2048 == 0, "slots and weight boxes start on 1024-byte atoms");
-    static_assert(kSmemBytes + kOutBytes <= 227 * 1024 && kSmemBytes + kMathWarps * kWarpStageBytes <= 227 * 1024 &&
-                      kSmemBytes + kMathWarps * kDownStageBytes <= 227 * 1024,
+    /* (ping-pong units stage only by warp: neither the interleaved GEMM1's
+     * boxes nor the block-scale GEMM2's y boxes run on them) */
+    static_assert(kSmemBytes + kMathWarps * kWarpStageBytes <= 227 * 1024 &&
+                      (PING_PONG || (kSmemBytes + kOutBytes <= 227 * 1024 &&
+                                     kSmemBytes + kMathWarps * kDownStageBytes <= 227 * 1024)),
                   "fits the sm_90 shared-memory opt-in limit, staging included");
     static_assert(kMathRegs * 128 * kMathWarpgroups + kProducerRegs * 128 <= 65536, "register file of one SM");
     static_assert(kMathRegs % 8 == 0 && kProducerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
     static_assert(CLUSTER_M == 1 || CLUSTER_M == 2, "pairs of CTAs at most (the multicast mask covers the pair)");
+    static_assert(!PING_PONG || CLUSTER_M == 1, "ping-pong units on single CTAs");
     static_assert(GROUP_M >= 1, "at least one m unit per group");
 };
 
@@ -115,6 +124,14 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * slower with a few m tiles per expert (pairs straddle experts, and the
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
+/* Ping-pong units of 64 rows x 256 (mx_sm90_shape PING_PONG) for
+ * per-tensor FP8 at 64 to 127 rows per expert and short K
+ * (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): the 128-row
+ * tiles there are about half padding and the cooperative tile's epilogue
+ * leaves the ring idle. 5 stages of 40 KB (221 KB with the warps' staging;
+ * the interleaved kind's 32 KB of boxes do not fit, so it keeps
+ * mx_tile_sm90). */
+typedef mx_sm90_shape<256, 5, 1, 8, true> mx_tile_sm90_pp;
 /* FP8 with 128x128 block scales where 128x256 tiles cannot or should not
  * take them (gemm_configs_fp8.cuh mx_fp8_sm90_block_wide): every k block's
  * products land in one of two more accumulator sets (alternating) that is

@@ -87,16 +87,24 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_SM90_MID = MX_TILE_SM90_MID,
     MX_FP8_TILE_SM90_DECODE32 = MX_TILE_SM90_DECODE32,
     MX_FP8_TILE_SM90_DECODE48 = MX_TILE_SM90_DECODE48,
+    /* Hopper persistent kernel, ping-pong 64-row units (mx_tile_sm90_pp), per-tensor scales */
+    MX_FP8_TILE_SM90_PP = 9,
 };
+
+static inline int mx_fp8_tile_is_sm90_persistent(int config)
+{
+    return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PP;
+}
 
 static inline int mx_fp8_tile_is_sm90(int config)
 {
-    return config == MX_FP8_TILE_SM90 || mx_tile_is_sm90_decode(config);
+    return mx_fp8_tile_is_sm90_persistent(config) || mx_tile_is_sm90_decode(config);
 }
 
 static inline int mx_fp8_tile_block_m(int config)
 {
     return mx_tile_is_sm90_decode(config)    ? mx_tile_block_m(config)
+         : config == MX_FP8_TILE_SM90_PP     ? mx_tile_sm90_pp::kBlockM
          : mx_fp8_tile_is_sm90(config)       ? kSm90BlockM
          : config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
          : config == MX_FP8_TILE_MID   ? mx_fp8_tile_mid::kBlockM
@@ -149,15 +157,35 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * 64 stays for both.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
+/* Per tensor, under kFp8Sm90PingPongMaxRowsPerExpert rows per expert and
+ * with both GEMMs' K at most kFp8Sm90PingPongMaxK, the persistent kernel
+ * runs ping-pong 64-row units (mx_tile_sm90_pp; not the interleaved GEMM1,
+ * whose staging boxes do not fit beside that ring). Against the 128-row
+ * tiles (H200, 2026-11-27, two rounds, forwards): qwen3moe fp8_tensor
+ * M = 1024 (64 rows per expert; K 2048 / 768) 269.5 -> 250.9 us (-6.9%;
+ * GEMM1 131 -> 121, GEMM2 85 -> 78), where the 128-row tiles are half
+ * padding and a unit of 16 / 6 k blocks leaves the ring idle behind its
+ * epilogue. Where K is long it lost: Mixtral fp8_tensor M = 256 (K 4096 /
+ * 14336) +1.0% (GEMM2 128 -> 151 us: 192 units of 112 k blocks on 132 SMs
+ * run two serial rounds where 128 ran one), and the 16-bit forms lost at
+ * both points (qwen3moe bf16 M = 1024 +1.9%, GEMM1 216 -> 229; Mixtral bf16
+ * M = 256 +6.5%), so 16-bit keeps the 128-row tiles. An expert of 65-127
+ * rows takes two units, each loading the weight tile (the second from L2
+ * when both run together). */
+constexpr int64_t kFp8Sm90PingPongMaxRowsPerExpert = 128;
+constexpr int64_t kFp8Sm90PingPongMaxK = 2048;
 
 static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,
-                                            int block_scales, int gated)
+                                            int block_scales, int gated, int interleaved)
 {
     const int64_t e = local_experts > 0 ? local_experts : 1;
     if (hidden % 16 != 0 || inter % 16 != 0 || (block_scales && gated && inter % 64 != 0))
         return -1;
     if (rows < kFp8Sm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(rows, e);
+    if (rows < kFp8Sm90PingPongMaxRowsPerExpert * e && !block_scales && !interleaved &&
+        hidden <= kFp8Sm90PingPongMaxK && inter <= kFp8Sm90PingPongMaxK)
+        return MX_FP8_TILE_SM90_PP;
     return MX_FP8_TILE_SM90;
 }
 
@@ -240,9 +268,11 @@ static inline int mx_fp8_select_down_splits(int config, int64_t m_tiles, int64_t
 {
     if (config == MX_FP8_TILE_SM90_DECODE || config == MX_FP8_TILE_SM90_DECODE32)
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 1, split_len);
-    if (config == MX_FP8_TILE_SM90) {
+    if (mx_fp8_tile_is_sm90_persistent(config)) {
         *split_len = inter;
-        return quant == MX_QUANT_FP8_BLOCK ? 1 : mx_sm90_down_max_splits(m_tiles, hidden, (inter + 127) / 128);
+        return quant == MX_QUANT_FP8_BLOCK || config == MX_FP8_TILE_SM90_PP
+                   ? 1
+                   : mx_sm90_down_max_splits(m_tiles, hidden, (inter + 127) / 128);
     }
     const int64_t k_tiles = (inter + 127) / 128;
     int64_t splits = 1;

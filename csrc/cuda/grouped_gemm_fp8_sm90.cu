@@ -1,7 +1,8 @@
 /* FP8 (float8_e4m3) instantiations of the Hopper grouped GEMM
  * (grouped_gemm_sm90_impl.cuh describes operands, tiling and pipeline) for
  * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
- * tiles (single CTAs: gemm_configs_fp8.cuh says why no pairs), 128x128
+ * tiles (single CTAs: gemm_configs_fp8.cuh says why no pairs) or on
+ * ping-pong 64-row units (MX_FP8_TILE_SM90_PP), 128x128
  * block scales on 128x256 or 128x128 tiles (mx_fp8_sm90_block_wide); act
  * dtype bfloat16 or float16. The entry
  * also routes the decode configs to grouped_gemm_sm90_decode.cu, the only
@@ -13,9 +14,16 @@ namespace {
 
 template <typename T>
 mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx_gemm_kind kind, mx_quant quant,
-                             bool a_by_token, int64_t local_experts, int64_t m_tiles, cudaStream_t stream)
+                             int tile_config, bool a_by_token, int64_t local_experts, int64_t m_tiles,
+                             cudaStream_t stream)
 {
     typedef __nv_fp8_e4m3 E4M3;
+    if (tile_config == MX_FP8_TILE_SM90_PP) {
+        if (quant != MX_QUANT_FP8_TENSOR)
+            return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: ping-pong units take per-tensor scales only");
+        return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_pp, MX_QUANT_FP8_TENSOR>(g, sc, kind, a_by_token,
+                                                                                    local_experts, m_tiles, stream);
+    }
     if (quant == MX_QUANT_FP8_BLOCK) {
         if (mx_fp8_sm90_block_wide(kind == MX_GEMM_GATE_UP, kind == MX_GEMM_DOWN, g->out_cols, g->pairs, local_experts))
             return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90, MX_QUANT_FP8_BLOCK>(g, sc, kind, a_by_token,
@@ -91,6 +99,6 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
                                                 m_tiles, stream);
     if (f->out_dtype == MX_BF16)
-        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, !f->a_sorted, local_experts, m_tiles, stream);
-    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, !f->a_sorted, local_experts, m_tiles, stream);
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, !f->a_sorted, local_experts, m_tiles, stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, !f->a_sorted, local_experts, m_tiles, stream);
 }

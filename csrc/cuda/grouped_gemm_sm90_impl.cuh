@@ -47,6 +47,15 @@
  * barrier (one arrival per math warp of the cluster, sent once the wgmmas
  * reading the slot have retired: the math warpgroups keep one k-block of
  * wgmma in flight).
+ * Ping-pong (Shape::kPingPong, per-tensor FP8 at 64-127 rows per expert,
+ * gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): units of 64 rows
+ * (a 64-row tile table) x kBlockN, each taken whole by one math
+ * warpgroup, the two in turn (the CTA's units 0, 2, 4, ... and 1, 3, ...);
+ * the producer fills the ring in unit order, so one warpgroup's epilogue
+ * runs while the other's wgmmas drain the ring, which the cooperative tile
+ * leaves idle behind every epilogue. A turn barrier per warpgroup orders
+ * their mainloops (see turn_bar); an empty barrier then counts the 4 warps
+ * of the one warpgroup that read the slot.
  * Clusters (kClusterM = 2): the two CTAs take m tiles 2u and 2u + 1 of the
  * same n tile. When both tiles belong to one expert, CTA r loads weight box
  * r once and multicasts it into both CTAs' slot (A stays per CTA), so each
@@ -129,7 +138,7 @@ struct sm90_unit {
 };
 
 /* unit >= total (no unit): a phantom that loads nothing */
-template <int G>
+template <typename Shape>
 __device__ __forceinline__ sm90_unit sm90_unit_start(int unit, int total, int num_mu, int n_tiles, int cm,
                                                      uint32_t rank, int num_m, int r_lo, const mx_gemm_args &g)
 {
@@ -140,13 +149,13 @@ __device__ __forceinline__ sm90_unit sm90_unit_start(int unit, int total, int nu
     if (unit < total) {
         const int per_split = num_mu * n_tiles;
         u.split = unit / per_split;
-        sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
+        sm90_unit_coords<Shape::kGroupM>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     }
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = unit < total && u.mt < num_m;
     u.expert = u.real ? g.tile_expert[u.mt] : 0;
     u.scale = 1.0f;
-    u.rows.s_lo = static_cast<int64_t>(u.mt) * kSm90BlockM + r_lo;
+    u.rows.s_lo = static_cast<int64_t>(u.mt) * Shape::kBlockM + r_lo;
     u.rows.pair_lo = u.real ? g.sorted_ids[u.rows.s_lo] : -1;
     u.rows.pair_hi = u.real ? g.sorted_ids[u.rows.s_lo + 8] : -1;
     u.rows.w_lo = u.rows.w_hi = 1.0f;
@@ -172,7 +181,7 @@ __device__ __forceinline__ void sm90_unit_finish(sm90_unit &u, const mx_gemm_arg
  * same loads as sm90_unit_start + sm90_unit_finish, kept as the form those
  * kinds were measured with: composed from the two steps, their SASS differs
  * (reordered and dropped moves; cuobjdump, 2026-11-25), not yet timed. */
-template <int G, int KIND, int QUANT>
+template <typename Shape, int KIND, int QUANT>
 __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_tiles, int cm, uint32_t rank,
                                                    int num_m, int r_lo, const mx_gemm_args &g,
                                                    const mx_sm90_scales &sc)
@@ -181,13 +190,13 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
     int mu;
     const int per_split = num_mu * n_tiles;
     u.split = sm90_takes_slices<KIND, QUANT>() ? unit / per_split : 0;
-    sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
+    sm90_unit_coords<Shape::kGroupM>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = u.mt < num_m;
     u.expert = 0;
     u.scale = 1.0f;
     if (u.real) {
-        u.rows.s_lo = static_cast<int64_t>(u.mt) * kSm90BlockM + r_lo;
+        u.rows.s_lo = static_cast<int64_t>(u.mt) * Shape::kBlockM + r_lo;
         u.rows.pair_lo = g.sorted_ids[u.rows.s_lo];
         u.rows.pair_hi = g.sorted_ids[u.rows.s_lo + 8];
         u.rows.w_lo = u.rows.w_hi = 1.0f;
@@ -255,6 +264,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kGated = KIND == MX_GEMM_GATE_UP;     /* box 0 = gate rows, box 1 = up rows */
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kTwoSets = kBlockScales && BN <= 128; /* two product sets of the whole tile fit */
+    constexpr bool kPingPong = Shape::kPingPong;
+    static_assert(!kPingPong || (QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_GATE_UP_INTERLEAVED),
+                  "ping-pong units: per-tensor FP8, not the interleaved GEMM1");
     static_assert(!A_BY_TOKEN || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
     static_assert(A_BY_TOKEN || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
 
@@ -262,14 +274,26 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
     const uint32_t base = (mx_smem_addr(sm90_smem) + 1023u) & ~1023u;
     const uint32_t out_boxes = base + STAGES * STAGE_BYTES;   /* the epilogue's staging (sm90_out_bytes) */
-    const uint32_t bars = out_boxes + sm90_launch_out_bytes<Shape, KIND, QUANT>(g); /* full[STAGES], empty[STAGES] */
+    /* full[STAGES], empty[STAGES], ping-pong: turn[2] */
+    const uint32_t bars = out_boxes + sm90_launch_out_bytes<Shape, KIND, QUANT>(g);
     auto full_bar = [&](uint32_t s) { return bars + 8u * s; };
     auto empty_bar = [&](uint32_t s) { return bars + 8u * (STAGES + s); };
+    /* ping-pong: warpgroup w's mainloop of a unit has passed its last full
+     * barrier (one arrival per warp); the other warpgroup's next unit waits
+     * for it. Its first slot may be 2 or more ring turns ahead of what the
+     * producer has filled, where a parity wait on the slot alone would pass
+     * on an older phase; after that turn the producer is within one. */
+    auto turn_bar = [&](int w) { return bars + 8u * (2 * STAGES + w); };
 
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) {
             mbar_init(full_bar(s), A_BY_TOKEN ? 1 + 128 : 1); /* the TMA thread, and each producer thread's copies */
-            mbar_init(empty_bar(s), Shape::kMathWarps * CM); /* every math warp of the cluster */
+            /* every math warp of the cluster; ping-pong: of the one warpgroup that reads the slot */
+            mbar_init(empty_bar(s), (kPingPong ? 4 : Shape::kMathWarps) * CM);
+        }
+        if (kPingPong) {
+            mbar_init(turn_bar(0), 4);
+            mbar_init(turn_bar(1), 4);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         fence_proxy_async_smem();
@@ -394,10 +418,14 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
         }
     } else {
-        /* math warpgroups: rows [64 wg, 64 wg + 64) of every tile */
+        /* math warpgroups: rows [64 wg, 64 wg + 64) of every tile; ping-pong:
+         * the 64 rows of every other unit, warpgroup wg from the CTA's unit wg */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Shape::kMathRegs));
         const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
-        const int r_lo = wg * 64 + warp_in_wg * 16 + lane / 4;
+        const int wg_row = kPingPong ? 0 : wg * 64; /* the warpgroup's first row of a unit */
+        const int r_lo = wg_row + warp_in_wg * 16 + lane / 4;
+        const int first = kPingPong ? cluster + wg * clusters : cluster;
+        const int stride = kPingPong ? 2 * clusters : clusters;
         /* the slot's wgmmas have retired: hand it back to the producer(s) */
         auto release = [&](uint32_t slot) {
             if (lane == 0) {
@@ -415,16 +443,23 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         uint32_t it = 0;
         /* GEMM2 loads the next unit ahead (sm90_unit) */
         constexpr bool kAhead = KIND == MX_GEMM_DOWN && !kBlockScales;
-        sm90_unit next = sm90_unit_start<Shape::kGroupM>(kAhead ? cluster : total, total, num_mu, n_tiles, CM, rank,
-                                                         num_m, r_lo, g);
+        sm90_unit next = sm90_unit_start<Shape>(kAhead ? first : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
         sm90_unit_finish<KIND, QUANT>(next, g, sc);
-        for (int unit = cluster; unit < total; unit += clusters) {
+        for (int unit = first; unit < total; unit += stride) {
             const sm90_unit cur =
-                kAhead ? next
-                       : sm90_unit_now<Shape::kGroupM, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
-            const bool more = kAhead && unit + clusters < total;
+                kAhead ? next : sm90_unit_now<Shape, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
+            const bool more = kAhead && unit + stride < total;
             if (more)
-                next = sm90_unit_start<Shape::kGroupM>(unit + clusters, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+                next = sm90_unit_start<Shape>(unit + stride, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            /* ping-pong: the ring holds the CTA's units in turn, k_blocks
+             * slots each (no k slices), so this unit's first slot is its
+             * turn times that */
+            if (kPingPong) {
+                const int turn = (unit - cluster) / clusters; /* the CTA's units before this one */
+                it = static_cast<uint32_t>(turn) * static_cast<uint32_t>(k_blocks);
+                if (turn > 0) /* the other warpgroup's unit turn - 1, its (turn - 1) / 2-th */
+                    mbar_wait(turn_bar(wg ^ 1), static_cast<uint32_t>((turn - 1) / 2) & 1u);
+            }
             const int nt = cur.nt, mt = cur.mt, expert = cur.expert;
             const int kb_lo = k_first(cur.split), kb_hi = k_end(cur.split);
             const sm90_rows &rows = cur.rows;
@@ -448,7 +483,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     mbar_wait(full_bar(s), (n / STAGES) & 1u);
                     if (A_BY_TOKEN)
                         fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
-                    const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
+                    const uint32_t a_src = base + s * STAGE_BYTES + wg_row * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(p);
                     wgmma_fence();
 #pragma unroll
@@ -539,7 +574,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         wgmma_fence();
 #pragma unroll
                         for (int j = 0; j < KB; ++j) {
-                            const uint32_t a_src = base + slot[j] * STAGE_BYTES + wg * 64 * 128,
+                            const uint32_t a_src = base + slot[j] * STAGE_BYTES + wg_row * 128,
                                            w_src = base + slot[j] * STAGE_BYTES + A_BYTES + h * HALF_W_BYTES;
 #pragma unroll
                             for (int kk = 0; kk < KSTEPS; ++kk)
@@ -571,7 +606,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     mbar_wait(full_bar(s), phase);
                     if (A_BY_TOKEN)
                         fence_proxy_async_smem(); /* the cp.async rows, before wgmma reads them */
-                    const uint32_t a_src = base + s * STAGE_BYTES + wg * 64 * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
+                    const uint32_t a_src = base + s * STAGE_BYTES + wg_row * 128, w_src = base + s * STAGE_BYTES + A_BYTES;
                     fence_acc(acc);
                     wgmma_fence();
 #pragma unroll
@@ -592,11 +627,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 fence_acc(acc);
                 release(prev);
             }
+            if (kPingPong && lane == 0)
+                mbar_arrive(turn_bar(wg));
             if (more)
                 sm90_unit_finish<KIND, QUANT>(next, g, sc);
             if (cur.real) {
                 constexpr int kBoxes = BN / 128; /* staging boxes per warpgroup */
-                const sm90_out_stage stage = {out_boxes + wg * kBoxes * Shape::kOutBoxBytes, r_lo - wg * 64};
+                const sm90_out_stage stage = {out_boxes + wg * kBoxes * Shape::kOutBoxBytes, r_lo - wg_row};
                 if constexpr (sm90_staged_out<KIND>()) {
                     /* the boxes are free once the last tile's store has read them */
                     if (threadIdx.x % 128 == 0)
@@ -608,7 +645,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 unsigned char *warp_stage =
                     sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * kWarpBytes;
                 sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, cur.split, g, cur.scale, sc, stage,
-                                                     warp_stage, &tma_out, mt * BM + wg * 64 + warp_in_wg * 16);
+                                                     warp_stage, &tma_out, mt * BM + wg_row + warp_in_wg * 16);
                 if constexpr (sm90_staged_out<KIND>()) {
                     fence_proxy_async_smem(); /* the copy engine reads what these threads wrote */
                     named_barrier_sync(1 + wg, 128);
@@ -616,7 +653,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #pragma unroll
                         for (int b = 0; b < kBoxes; ++b)
                             tma_store_2d(&tma_out, stage.base + b * Shape::kOutBoxBytes, nt * (BN / 2) + 64 * b,
-                                         mt * BM + 64 * wg);
+                                         mt * BM + wg_row);
                         bulk_commit();
                     }
                 }
@@ -702,8 +739,8 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
                               (long long)n_tiles);
     const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
-    if (g.k_splits < 1 || (g.k_splits > 1 && (!sm90_takes_slices<KIND, QUANT>() || boxes || !g.split_count ||
-                                               g.k_splits > kSm90DownMaxSplits)))
+    if (g.k_splits < 1 || (g.k_splits > 1 && (!sm90_takes_slices<KIND, QUANT>() || Shape::kPingPong || boxes ||
+                                               !g.split_count || g.k_splits > kSm90DownMaxSplits)))
         return mx_status_fail(MX_ERR_VALUE,
                               "%s: %d k slices (GEMM2 per tensor or 16-bit, by pair, at most %d, with split_count)",
                               name, g.k_splits, kSm90DownMaxSplits);
@@ -795,8 +832,12 @@ mx_status grouped_gemm_sm90_shape(const mx_gemm_args *g, const mx_sm90_scales &s
         return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_GATE_UP, QUANT>(*g, sc, a_by_token, local_experts, m_tiles,
                                                                        stream);
     case MX_GEMM_GATE_UP_INTERLEAVED:
-        return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, a_by_token, local_experts,
-                                                                                   m_tiles, stream);
+        if constexpr (Shape::kPingPong)
+            return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: the interleaved GEMM1 has no ping-pong form "
+                                                "(its staging boxes do not fit beside the ring)");
+        else
+            return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_GATE_UP_INTERLEAVED, QUANT>(*g, sc, a_by_token,
+                                                                                       local_experts, m_tiles, stream);
     case MX_GEMM_UP:
         return launch_sm90_gemm1<TA, T, Shape, MX_GEMM_UP, QUANT>(*g, sc, a_by_token, local_experts, m_tiles, stream);
     case MX_GEMM_DOWN:
