@@ -2,8 +2,9 @@
 (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config): the persistent kernel from 64 rows per local
 expert (its GEMM1 reading x_q by token below 128 rows per local expert, by sorted row from there:
 mx_fp8_sm90_gemm1_a_by_token), the decode kernel (16- / 32- / 48- / 64-token tiles, split-K)
-below; other GPUs run the mma.sync tiles through the same checks. A profiler trace shows which
-kernels ran.
+below; per tensor with H, I <= 2048 the persistent kernel's ping-pong 64-row units from 24 to 127
+rows per local expert; other GPUs run the mma.sync tiles through the same checks. A profiler
+trace shows which kernels ran.
 H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run.
 
 Per-tensor layers are checked with compare_tensor: the activation scale is the max over the
@@ -37,9 +38,9 @@ PERSISTENT_GEMM1_FP8 = re.compile(r"grouped_gemm_sm90_kernel<__nv_fp8_e4m3, .*mx
 
 def ping_pong_units(method, cfg, rows_per_expert, h, i):
     """Whether the FP8 rule puts the persistent kernel on ping-pong 64-row units
-    (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): per tensor, 64 to 127 rows per local
+    (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): per tensor, 24 to 127 rows per local
     expert, H and I at most 2048, not the interleaved GEMM1."""
-    return (method == "tensor" and 64 <= rows_per_expert < 128 and max(h, i) <= 2048
+    return (method == "tensor" and 24 <= rows_per_expert < 128 and max(h, i) <= 2048
             and cfg[0] != "swigluoai-bias")
 
 
@@ -114,7 +115,7 @@ def test_fp8_prefill_single_ctas(method, gen):
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_ping_pong_units(method, cfg, gen):
-    """Per tensor, 64 to 127 rows per local expert with short K run the persistent kernel's
+    """Per tensor, 24 to 127 rows per local expert with short K run the persistent kernel's
     ping-pong 64-row units, each math warpgroup every other unit of its CTA on the one ring (block
     scales keep the 128-row tiles). ~100 rows per expert (two 64-row tiles, the second partial),
     H = 2000 and I = 1088 (GEMM1 9 n tiles, 16 k blocks with a tail; GEMM2 8 n tiles, the last
@@ -204,8 +205,9 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
     names = checked_forward(gen, layer, m, e, f"fp8 {method} {cfg[0]} {dtype} M={m}", cfg=cfg, dtype=dtype)
     if on_hopper():
         tile = expected_gemm_kernel(m * k / e)
-        if tile == PERSISTENT_KERNEL:
-            check_persistent_shapes(names, ping_pong_units(method, cfg, m * k / e, h, i))
+        ping_pong = ping_pong_units(method, cfg, m * k / e, h, i)
+        if tile == PERSISTENT_KERNEL or ping_pong:
+            check_persistent_shapes(names, ping_pong)
             persistent_gemm1_reads_by_token(names, m * k / e)
         else:
             assert any(DECODE_FP8 in n and tile in n for n in names), f"no {DECODE_FP8} {tile}: {names}"
@@ -275,10 +277,11 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_decode_down_walks_many_units(method, rows_per_expert, i, gen):
     """FP8 GEMM2 with more work units than CTAs that fit the GPU and a partial chunk of n tiles
-    (H = 1616: 13 n tiles). Units of up to 8 k blocks (I = 256) run the persistent down kernel,
-    each CTA walking several units with its ring running on across them (2 k blocks per unit,
-    fewer than the stages); longer ones (I = 1280) the decode kernel, one CTA per unit."""
-    e, k, h = 64, 2, 1616
+    (H = 2064: 17 n tiles; past K = 2048, so per tensor at 30 rows per expert stays on the decode
+    kernel, not ping-pong units). Units of up to 8 k blocks (I = 256) run the persistent down
+    kernel, each CTA walking several units with its ring running on across them (2 k blocks per
+    unit, fewer than the stages); longer ones (I = 1280) the decode kernel, one CTA per unit."""
+    e, k, h = 64, 2, 2064
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
     m = int(rows_per_expert * e / k)
     names = checked_forward(gen, layer, m, e, f"fp8 {method} down I={i} M={m}")

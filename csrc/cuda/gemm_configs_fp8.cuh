@@ -157,21 +157,26 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * 64 stays for both.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
-/* Per tensor, under kFp8Sm90PingPongMaxRowsPerExpert rows per expert and
- * with both GEMMs' K at most kFp8Sm90PingPongMaxK, the persistent kernel
- * runs ping-pong 64-row units (mx_tile_sm90_pp; not the interleaved GEMM1,
- * whose staging boxes do not fit beside that ring). Against the 128-row
- * tiles (H200, 2026-11-27, two rounds, forwards): qwen3moe fp8_tensor
- * M = 1024 (64 rows per expert; K 2048 / 768) 269.5 -> 250.9 us (-6.9%;
+/* Per tensor, from kFp8Sm90PingPongMinRowsPerExpert to under
+ * kFp8Sm90PingPongMaxRowsPerExpert rows per expert and with both GEMMs' K
+ * at most kFp8Sm90PingPongMaxK, the persistent kernel runs ping-pong 64-row
+ * units (mx_tile_sm90_pp; not the interleaved GEMM1, whose staging boxes do
+ * not fit beside that ring). Against the 128-row tiles (H200, 2026-11-27,
+ * two rounds each, forwards): qwen3moe fp8_tensor M = 1024 (64 rows per
+ * expert; K 2048 / 768) 269.5 -> 250.9 and 267.2 -> 245.0 us (-7 / -8%;
  * GEMM1 131 -> 121, GEMM2 85 -> 78), where the 128-row tiles are half
  * padding and a unit of 16 / 6 k blocks leaves the ring idle behind its
- * epilogue. Where K is long it lost: Mixtral fp8_tensor M = 256 (K 4096 /
+ * epilogue. Against the decode kernel's 48-token tiles at 32 rows per
+ * expert (M = 512): 217.1 -> 205.2 us (-5.5%); at 256 rows (M = 4096) -2.0%
+ * (the 128-row tiles' own runs moved 1.1% between builds of one binary) and
+ * at 1024 rows +5.4%, so the 128-row tiles keep those. Where K is long it lost: Mixtral fp8_tensor M = 256 (K 4096 /
  * 14336) +1.0% (GEMM2 128 -> 151 us: 192 units of 112 k blocks on 132 SMs
  * run two serial rounds where 128 ran one), and the 16-bit forms lost at
  * both points (qwen3moe bf16 M = 1024 +1.9%, GEMM1 216 -> 229; Mixtral bf16
  * M = 256 +6.5%), so 16-bit keeps the 128-row tiles. An expert of 65-127
  * rows takes two units, each loading the weight tile (the second from L2
  * when both run together). */
+constexpr int64_t kFp8Sm90PingPongMinRowsPerExpert = 24;
 constexpr int64_t kFp8Sm90PingPongMaxRowsPerExpert = 128;
 constexpr int64_t kFp8Sm90PingPongMaxK = 2048;
 
@@ -181,11 +186,11 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
     const int64_t e = local_experts > 0 ? local_experts : 1;
     if (hidden % 16 != 0 || inter % 16 != 0 || (block_scales && gated && inter % 64 != 0))
         return -1;
+    if (rows >= kFp8Sm90PingPongMinRowsPerExpert * e && rows < kFp8Sm90PingPongMaxRowsPerExpert * e &&
+        !block_scales && !interleaved && hidden <= kFp8Sm90PingPongMaxK && inter <= kFp8Sm90PingPongMaxK)
+        return MX_FP8_TILE_SM90_PP;
     if (rows < kFp8Sm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(rows, e);
-    if (rows < kFp8Sm90PingPongMaxRowsPerExpert * e && !block_scales && !interleaved &&
-        hidden <= kFp8Sm90PingPongMaxK && inter <= kFp8Sm90PingPongMaxK)
-        return MX_FP8_TILE_SM90_PP;
     return MX_FP8_TILE_SM90;
 }
 
