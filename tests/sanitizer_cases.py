@@ -2,8 +2,9 @@
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
 multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
 64-token tiles, split-K), the persistent kernel (>= 64 rows per expert; GEMM2 in k slices;
-per-tensor FP8 on ping-pong 64-row units), FP8 on both, and moe_ext.Linear; routing fused with the sort (M <= 16) and apart, the sort in one
-block and split over chunks (> 8192 pairs)."""
+16-bit and per-tensor FP8 on ping-pong 64-row units), FP8 on both, and moe_ext.Linear; routing
+fused with the sort (M <= 16) and apart, the sort in one block and split over chunks (> 8192
+pairs)."""
 import torch
 
 import moe_ext
@@ -59,6 +60,11 @@ def main():
     previous = moe_ext._C._set_sm90_down_splits(3)  # 6 k blocks: 3 slices of 2
     assert torch.isfinite(layer(x, logits)).all()
     moe_ext._C._set_sm90_down_splits(previous)
+    # 16-bit ping-pong units: 48 experts, top 4, 480 tokens (~40 rows each), I = 520 (5 n tiles)
+    layer = moe_ext.FusedMoE(48, 4, 256, 520, params_dtype=torch.bfloat16, device="cuda", has_bias=True)
+    fill(layer, gen)
+    x = torch.randn(480, 256, generator=gen).to("cuda", torch.bfloat16)
+    assert torch.isfinite(layer(x, torch.randn(480, 48, generator=gen).cuda())).all()
     # per-tensor FP8 ping-pong units: 48 experts, top 4, 1200 tokens (~100 rows each, two 64-row
     # tiles), I = 256 / H = 512 (2 n tiles each): ~192 units, so both warpgroups of a CTA take units
     layer = moe_ext.FusedMoE(48, 4, 512, 256, params_dtype=torch.bfloat16, device="cuda",

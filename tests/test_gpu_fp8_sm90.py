@@ -20,7 +20,8 @@ import torch
 import moe_ext
 from helpers import capture_forward, down_splits, kernels_of, on_hopper, randn, replay
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
-from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, expected_gemm_kernel
+import test_gpu_sm90
+from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, PING_PONG_SHAPE, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
@@ -30,7 +31,6 @@ DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
 WIDE_SHAPE = "mx_sm90_shape<256, 4, 1, 8, false>"  # the persistent kernel's 128x256 tiles
 NARROW_SHAPE = "mx_sm90_shape<128, 6, 1, 8, false>"  # its 128x128 tiles (block scales, gated GEMM1, I % 128 != 0)
-PING_PONG_SHAPE = "mx_sm90_shape<256, 5, 1, 8, true>"  # its ping-pong 64-row units
 # the persistent FP8 GEMM1 (kinds 0-2; 3 is GEMM2): its last template argument, A_BY_TOKEN
 PERSISTENT_GEMM1_FP8 = re.compile(r"grouped_gemm_sm90_kernel<__nv_fp8_e4m3, .*mx_sm90_shape<[^>]*>, [012], [12], "
                                   r"(true|false)>")
@@ -40,8 +40,8 @@ def ping_pong_units(method, cfg, rows_per_expert, h, i):
     """Whether the FP8 rule puts the persistent kernel on ping-pong 64-row units
     (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): per tensor, 24 to 127 rows per local
     expert, H and I at most 2048, not the interleaved GEMM1."""
-    return (method == "tensor" and 24 <= rows_per_expert < 128 and max(h, i) <= 2048
-            and cfg[0] != "swigluoai-bias")
+    return method == "tensor" and test_gpu_sm90.ping_pong_units(rows_per_expert, h, i, cfg[0] == "swigluoai-bias",
+                                                                max_rows=128)
 
 
 def check_persistent_shapes(names, ping_pong):

@@ -66,7 +66,8 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     const int64_t pairs = p->num_tokens * p->top_k;
     const int64_t local = p->num_local_experts;
     plan->tile_config = mx_select_tile_config(pairs, local);
-    const int sm90 = mx_select_sm90_config(pairs, local, p->hidden_size, p->intermediate_size);
+    const int sm90 = mx_select_sm90_config(pairs, local, p->hidden_size, p->intermediate_size,
+                                           p->is_act_and_mul && p->activation == MX_ACT_SWIGLUOAI);
     if (p->act_dtype != MX_F32 && sm90 >= 0 && tma && mx_cuda_sm90_gemm_available())
         plan->tile_config = sm90;
     plan->block_m = p->act_dtype == MX_F32 ? MX_F32_BLOCK_M : mx_tile_block_m(plan->tile_config);
@@ -83,7 +84,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
                                                   p->intermediate_size, &plan->down_split_len);
         if (mx_tile_is_sm90_persistent(plan->tile_config))
             mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (p->intermediate_size + 63) / 64, 1,
-                                        1);
+                                        plan->tile_config != MX_TILE_SM90_PP);
     }
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;

@@ -124,13 +124,11 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * slower with a few m tiles per expert (pairs straddle experts, and the
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
-/* Ping-pong units of 64 rows x 256 (mx_sm90_shape PING_PONG) for
- * per-tensor FP8 at 64 to 127 rows per expert and short K
- * (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): the 128-row
- * tiles there are about half padding and the cooperative tile's epilogue
- * leaves the ring idle. 5 stages of 40 KB (221 KB with the warps' staging;
- * the interleaved kind's 32 KB of boxes do not fit, so it keeps
- * mx_tile_sm90). */
+/* Ping-pong units of 64 rows x 256 (mx_sm90_shape PING_PONG) at a few tens
+ * of rows per expert and short K (mx_sm90_ping_pong): the 128-row tiles
+ * there are mostly padding, and the cooperative tile's epilogue leaves the
+ * ring idle. 5 stages of 40 KB (221 KB with the warps' staging; the
+ * interleaved kind's 32 KB of boxes do not fit, so it keeps mx_tile_sm90). */
 typedef mx_sm90_shape<256, 5, 1, 8, true> mx_tile_sm90_pp;
 /* FP8 with 128x128 block scales where 128x256 tiles cannot or should not
  * take them (gemm_configs_fp8.cuh mx_fp8_sm90_block_wide): every k block's
@@ -361,6 +359,7 @@ enum mx_tile_config {
     MX_TILE_SM90_MID = 6,      /* Hopper decode kernel, 64-token tiles */
     MX_TILE_SM90_DECODE32 = 7, /* Hopper decode kernel, 32-token tiles */
     MX_TILE_SM90_DECODE48 = 8, /* Hopper decode kernel, 48-token tiles */
+    MX_TILE_SM90_PP = 9,       /* Hopper persistent kernel, ping-pong 64-row units (mx_tile_sm90_pp) */
 };
 
 static inline int mx_tile_is_sm90_decode(int config)
@@ -371,7 +370,7 @@ static inline int mx_tile_is_sm90_decode(int config)
 
 static inline int mx_tile_is_sm90_persistent(int config)
 {
-    return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR;
+    return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR || config == MX_TILE_SM90_PP;
 }
 
 static inline int mx_tile_is_sm90(int config)
@@ -388,6 +387,7 @@ static inline int mx_tile_block_m(int config)
          : config == MX_TILE_SM90_DECODE32 ? mx_tile_sm90_decode32::kBlockT
          : config == MX_TILE_SM90_DECODE48 ? mx_tile_sm90_decode48::kBlockT
          : config == MX_TILE_SM90_MID      ? mx_tile_sm90_mid::kBlockT
+         : config == MX_TILE_SM90_PP       ? mx_tile_sm90_pp::kBlockM
          : mx_tile_is_sm90(config)         ? kSm90BlockM
          : config == MX_TILE_LARGE         ? mx_tile_large::kBlockM
          : config == MX_TILE_MID           ? mx_tile_mid::kBlockM
@@ -508,12 +508,35 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
  * Returns an SM90 config, or -1 for the mma.sync rule. */
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
+/* Ping-pong 64-row units (mx_tile_sm90_pp) where both GEMMs' K is at most
+ * kSm90PingPongMaxK and an expert has kSm90PingPongMinRowsPerExpert rows or
+ * more, below kSm90PingPongMaxRowsPerExpert (16-bit; per-tensor FP8 up to
+ * kFp8Sm90PingPongMaxRowsPerExpert, gemm_configs_fp8.cuh, which has the
+ * measurements), not for the interleaved GEMM1 (its staging boxes do not
+ * fit beside that ring). 16-bit against the decode kernel's 48-token tiles
+ * (H200, 2026-11-27, two rounds): qwen3moe bf16 M = 512 (32 rows per
+ * expert) 351.7 -> 340.3 us (-3.2%); against the 128-row tiles at 64 rows
+ * (M = 1024) +1.9% (GEMM1 216 -> 229 us) and Mixtral bf16 M = 256 (K 4096 /
+ * 14336) +6.5%; at 16 rows (M = 256) even with the decode kernel (FP8). */
+constexpr int64_t kSm90PingPongMinRowsPerExpert = 24;
+constexpr int64_t kSm90PingPongMaxRowsPerExpert = 64;
+constexpr int64_t kSm90PingPongMaxK = 2048;
 
-static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter)
+static inline bool mx_sm90_ping_pong(int64_t rows, int64_t e, int64_t max_rows, int64_t hidden, int64_t inter,
+                                     int interleaved)
+{
+    return rows >= kSm90PingPongMinRowsPerExpert * e && rows < max_rows * e && hidden <= kSm90PingPongMaxK &&
+           inter <= kSm90PingPongMaxK && !interleaved;
+}
+
+static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter,
+                                        int interleaved)
 {
     const int64_t e = local_experts > 0 ? local_experts : 1;
     if (hidden % 8 != 0 || inter % 8 != 0)
         return -1;
+    if (mx_sm90_ping_pong(pairs, e, kSm90PingPongMaxRowsPerExpert, hidden, inter, interleaved))
+        return MX_TILE_SM90_PP;
     if (pairs < kSm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(pairs, e);
     return pairs >= kSm90PairMinRowsPerExpert * e ? MX_TILE_SM90_PAIR : MX_TILE_SM90;
@@ -535,7 +558,7 @@ static inline int mx_select_down_splits(int config, int64_t m_tiles, int64_t hid
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 2, split_len);
     if (mx_tile_is_sm90_persistent(config)) {
         *split_len = inter;
-        return mx_sm90_down_max_splits(m_tiles, hidden, (inter + 63) / 64);
+        return config == MX_TILE_SM90_PP ? 1 : mx_sm90_down_max_splits(m_tiles, hidden, (inter + 63) / 64);
     }
     const int64_t k_tiles = (inter + 63) / 64;
     int64_t splits = 1;

@@ -88,7 +88,7 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_SM90_DECODE32 = MX_TILE_SM90_DECODE32,
     MX_FP8_TILE_SM90_DECODE48 = MX_TILE_SM90_DECODE48,
     /* Hopper persistent kernel, ping-pong 64-row units (mx_tile_sm90_pp), per-tensor scales */
-    MX_FP8_TILE_SM90_PP = 9,
+    MX_FP8_TILE_SM90_PP = MX_TILE_SM90_PP,
 };
 
 static inline int mx_fp8_tile_is_sm90_persistent(int config)
@@ -103,8 +103,7 @@ static inline int mx_fp8_tile_is_sm90(int config)
 
 static inline int mx_fp8_tile_block_m(int config)
 {
-    return mx_tile_is_sm90_decode(config)    ? mx_tile_block_m(config)
-         : config == MX_FP8_TILE_SM90_PP     ? mx_tile_sm90_pp::kBlockM
+    return mx_tile_is_sm90_decode(config) || config == MX_FP8_TILE_SM90_PP ? mx_tile_block_m(config)
          : mx_fp8_tile_is_sm90(config)       ? kSm90BlockM
          : config == MX_FP8_TILE_LARGE ? mx_fp8_tile_large::kBlockM
          : config == MX_FP8_TILE_MID   ? mx_fp8_tile_mid::kBlockM
@@ -157,11 +156,10 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * 64 stays for both.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
-/* Per tensor, from kFp8Sm90PingPongMinRowsPerExpert to under
+/* Per tensor, from gemm_configs.cuh kSm90PingPongMinRowsPerExpert to under
  * kFp8Sm90PingPongMaxRowsPerExpert rows per expert and with both GEMMs' K
- * at most kFp8Sm90PingPongMaxK, the persistent kernel runs ping-pong 64-row
- * units (mx_tile_sm90_pp; not the interleaved GEMM1, whose staging boxes do
- * not fit beside that ring). Against the 128-row tiles (H200, 2026-11-27,
+ * at most kSm90PingPongMaxK (mx_sm90_ping_pong), the persistent kernel runs
+ * ping-pong 64-row units (mx_tile_sm90_pp). Against the 128-row tiles (H200, 2026-11-27,
  * two rounds each, forwards): qwen3moe fp8_tensor M = 1024 (64 rows per
  * expert; K 2048 / 768) 269.5 -> 250.9 and 267.2 -> 245.0 us (-7 / -8%;
  * GEMM1 131 -> 121, GEMM2 85 -> 78), where the 128-row tiles are half
@@ -176,9 +174,7 @@ constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
  * M = 256 +6.5%), so 16-bit keeps the 128-row tiles. An expert of 65-127
  * rows takes two units, each loading the weight tile (the second from L2
  * when both run together). */
-constexpr int64_t kFp8Sm90PingPongMinRowsPerExpert = 24;
 constexpr int64_t kFp8Sm90PingPongMaxRowsPerExpert = 128;
-constexpr int64_t kFp8Sm90PingPongMaxK = 2048;
 
 static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,
                                             int block_scales, int gated, int interleaved)
@@ -186,8 +182,7 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
     const int64_t e = local_experts > 0 ? local_experts : 1;
     if (hidden % 16 != 0 || inter % 16 != 0 || (block_scales && gated && inter % 64 != 0))
         return -1;
-    if (rows >= kFp8Sm90PingPongMinRowsPerExpert * e && rows < kFp8Sm90PingPongMaxRowsPerExpert * e &&
-        !block_scales && !interleaved && hidden <= kFp8Sm90PingPongMaxK && inter <= kFp8Sm90PingPongMaxK)
+    if (!block_scales && mx_sm90_ping_pong(rows, e, kFp8Sm90PingPongMaxRowsPerExpert, hidden, inter, interleaved))
         return MX_FP8_TILE_SM90_PP;
     if (rows < kFp8Sm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(rows, e);

@@ -47,8 +47,8 @@
  * barrier (one arrival per math warp of the cluster, sent once the wgmmas
  * reading the slot have retired: the math warpgroups keep one k-block of
  * wgmma in flight).
- * Ping-pong (Shape::kPingPong, per-tensor FP8 at 64-127 rows per expert,
- * gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): units of 64 rows
+ * Ping-pong (Shape::kPingPong, 16-bit and per-tensor FP8 at a few tens of
+ * rows per expert and short K, gemm_configs.cuh mx_sm90_ping_pong): units of 64 rows
  * (a 64-row tile table) x kBlockN, each taken whole by one math
  * warpgroup, the two in turn (the CTA's units 0, 2, 4, ... and 1, 3, ...);
  * the producer fills the ring in unit order, so one warpgroup's epilogue
@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kTwoSets = kBlockScales && BN <= 128; /* two product sets of the whole tile fit */
     constexpr bool kPingPong = Shape::kPingPong;
-    static_assert(!kPingPong || (QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_GATE_UP_INTERLEAVED),
-                  "ping-pong units: per-tensor FP8, not the interleaved GEMM1");
+    static_assert(!kPingPong || (!kBlockScales && KIND != MX_GEMM_GATE_UP_INTERLEAVED),
+                  "ping-pong units: 16-bit and per-tensor FP8, not the interleaved GEMM1");
     static_assert(!A_BY_TOKEN || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
     static_assert(A_BY_TOKEN || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
 
@@ -860,6 +860,9 @@ mx_status grouped_gemm_sm90(const mx_gemm_args *g, mx_gemm_kind kind, int tile_c
     case MX_TILE_SM90_PAIR:
         return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pair, MX_QUANT_NONE>(g, none, kind, true, local_experts,
                                                                                 m_tiles, stream);
+    case MX_TILE_SM90_PP:
+        return grouped_gemm_sm90_shape<T, T, mx_tile_sm90_pp, MX_QUANT_NONE>(g, none, kind, true, local_experts,
+                                                                              m_tiles, stream);
     }
     return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_sm90: tile config %d is not an sm90 config", tile_config);
 }
