@@ -15,6 +15,19 @@ def fill(layer, gen):
         p.data.copy_((torch.randn(p.shape, generator=gen) * 0.05).to(p.dtype))
 
 
+def fp8_layer(gen, e, k, h, i, block=None):
+    """A bf16 layer of e experts, top k, quantized online to FP8 (per tensor, or block scales) as
+    random checkpoint shards load."""
+    layer = moe_ext.FusedMoE(e, k, h, i, params_dtype=torch.bfloat16, device="cuda",
+                             quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
+    for expert in range(e):
+        for shard, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+            param = layer.w2_weight if shard == "w2" else layer.w13_weight
+            param.weight_loader(param, torch.randn(*shape, generator=gen) * 0.05, "experts.weight",
+                                shard_id=shard, expert_id=expert)
+    return layer
+
+
 def main():
     gen = torch.Generator().manual_seed(5)
     cases = [
@@ -50,13 +63,7 @@ def main():
         previous = moe_ext._C._set_sm90_down_splits(splits)
         assert torch.isfinite(layer(x, logits)).all()
         moe_ext._C._set_sm90_down_splits(previous)
-    layer = moe_ext.FusedMoE(4, 2, 256, 768, params_dtype=torch.bfloat16, device="cuda",
-                             quant_config=moe_ext.Fp8OnlineConfig())
-    for e in range(4):
-        for shard, shape in (("w1", (768, 256)), ("w3", (768, 256)), ("w2", (256, 768))):
-            param = layer.w2_weight if shard == "w2" else layer.w13_weight
-            param.weight_loader(param, torch.randn(*shape, generator=gen) * 0.05, "experts.weight",
-                                shard_id=shard, expert_id=e)
+    layer = fp8_layer(gen, 4, 2, 256, 768)
     previous = moe_ext._C._set_sm90_down_splits(3)  # 6 k blocks: 3 slices of 2
     assert torch.isfinite(layer(x, logits)).all()
     moe_ext._C._set_sm90_down_splits(previous)
@@ -67,13 +74,7 @@ def main():
     assert torch.isfinite(layer(x, torch.randn(480, 48, generator=gen).cuda())).all()
     # per-tensor FP8 ping-pong units: 48 experts, top 4, 1200 tokens (~100 rows each, two 64-row
     # tiles), I = 256 / H = 512 (2 n tiles each): ~192 units, so both warpgroups of a CTA take units
-    layer = moe_ext.FusedMoE(48, 4, 512, 256, params_dtype=torch.bfloat16, device="cuda",
-                             quant_config=moe_ext.Fp8OnlineConfig())
-    for e in range(48):
-        for shard, shape in (("w1", (256, 512)), ("w3", (256, 512)), ("w2", (512, 256))):
-            param = layer.w2_weight if shard == "w2" else layer.w13_weight
-            param.weight_loader(param, torch.randn(*shape, generator=gen) * 0.05, "experts.weight",
-                                shard_id=shard, expert_id=e)
+    layer = fp8_layer(gen, 48, 4, 512, 256)
     x = torch.randn(1200, 512, generator=gen).to("cuda", torch.bfloat16)
     assert torch.isfinite(layer(x, torch.randn(1200, 48, generator=gen).cuda())).all()
     # 2100 tokens x top 4 = 8400 pairs: the sort splits over chunks (count / scan / scatter)
@@ -83,13 +84,7 @@ def main():
     assert torch.isfinite(layer(x, torch.randn(2100, 32, generator=gen).cuda())).all()
     for block in (None, [128, 128]):
         for h, i, tokens in ((200, 130, (1, 9)), (256, 192, (1, 40, 100, 300))):
-            layer = moe_ext.FusedMoE(8, 2, h, i, params_dtype=torch.bfloat16, device="cuda",
-                                     quant_config=moe_ext.Fp8OnlineConfig(weight_block_size=block))
-            for e in range(8):
-                for shard, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
-                    param = layer.w2_weight if shard == "w2" else layer.w13_weight
-                    w = torch.randn(*shape, generator=gen) * 0.05
-                    param.weight_loader(param, w, "experts.weight", shard_id=shard, expert_id=e)
+            layer = fp8_layer(gen, 8, 2, h, i, block)
             for m in tokens:
                 x = torch.randn(m, h, generator=gen).to("cuda", torch.bfloat16)
                 assert torch.isfinite(layer(x, torch.randn(m, 8, generator=gen).cuda())).all()

@@ -159,21 +159,21 @@ constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
 /* Per tensor, from gemm_configs.cuh kSm90PingPongMinRowsPerExpert to under
  * kFp8Sm90PingPongMaxRowsPerExpert rows per expert and with both GEMMs' K
  * at most kSm90PingPongMaxK (mx_sm90_ping_pong), the persistent kernel runs
- * ping-pong 64-row units (mx_tile_sm90_pp). Against the 128-row tiles (H200, 2026-11-27,
- * two rounds each, forwards): qwen3moe fp8_tensor M = 1024 (64 rows per
- * expert; K 2048 / 768) 269.5 -> 250.9 and 267.2 -> 245.0 us (-7 / -8%;
- * GEMM1 131 -> 121, GEMM2 85 -> 78), where the 128-row tiles are half
- * padding and a unit of 16 / 6 k blocks leaves the ring idle behind its
- * epilogue. Against the decode kernel's 48-token tiles at 32 rows per
- * expert (M = 512): 217.1 -> 205.2 us (-5.5%); at 256 rows (M = 4096) -2.0%
- * (the 128-row tiles' own runs moved 1.1% between builds of one binary) and
- * at 1024 rows +5.4%, so the 128-row tiles keep those. Where K is long it lost: Mixtral fp8_tensor M = 256 (K 4096 /
- * 14336) +1.0% (GEMM2 128 -> 151 us: 192 units of 112 k blocks on 132 SMs
- * run two serial rounds where 128 ran one), and the 16-bit forms lost at
- * both points (qwen3moe bf16 M = 1024 +1.9%, GEMM1 216 -> 229; Mixtral bf16
- * M = 256 +6.5%), so 16-bit keeps the 128-row tiles. An expert of 65-127
- * rows takes two units, each loading the weight tile (the second from L2
- * when both run together). */
+ * ping-pong 64-row units (mx_tile_sm90_pp). Against the 128-row tiles
+ * (H200, 2026-11-27, two rounds each, forwards): qwen3moe fp8_tensor
+ * M = 1024 (64 rows per expert; K 2048 / 768) 269.5 -> 250.9 and 267.2 ->
+ * 245.0 us (-7 / -8%; GEMM1 131 -> 121, GEMM2 85 -> 78), where the 128-row
+ * tiles are half padding and a unit of 16 / 6 k blocks leaves the ring
+ * idle behind its epilogue; at 256 rows (M = 4096) -2.0% (the 128-row
+ * tiles' own runs moved 1.1% between builds of one binary) and at 1024
+ * rows +5.4%, so the 128-row tiles keep those. Against the decode kernel's
+ * 48-token tiles at 32 rows per expert (M = 512): 217.1 -> 205.2 us
+ * (-5.5%); at 16 rows (M = 256) even. Where K is long it lost: Mixtral
+ * fp8_tensor M = 256 (K 4096 / 14336) +1.0% (GEMM2 128 -> 151 us: 192
+ * units of 112 k blocks on 132 SMs run two serial rounds where 128 ran
+ * one). An expert of 65-127 rows takes two units, each loading the weight
+ * tile (the second from L2 when both run together); the 16-bit forms lost
+ * at 64 rows (gemm_configs.cuh), so only FP8 goes past 63. */
 constexpr int64_t kFp8Sm90PingPongMaxRowsPerExpert = 128;
 
 static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,

@@ -99,6 +99,8 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
         return mx_cuda_grouped_gemm_sm90_decode(&g, &sc, kind, f->out_dtype, quant, tile_config, local_experts,
                                                 m_tiles, stream);
     if (f->out_dtype == MX_BF16)
-        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, !f->a_sorted, local_experts, m_tiles, stream);
-    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, !f->a_sorted, local_experts, m_tiles, stream);
+        return fp8_sm90_for_dtype<__nv_bfloat16>(&g, sc, kind, quant, tile_config, !f->a_sorted, local_experts,
+                                                 m_tiles, stream);
+    return fp8_sm90_for_dtype<__half>(&g, sc, kind, quant, tile_config, !f->a_sorted, local_experts, m_tiles,
+                                      stream);
 }

@@ -78,7 +78,8 @@
  * routing weights are loaded when the tile starts (GEMM2: one unit ahead,
  * sm90_unit).
  *
- * The launcher guarantees: tile tables from moe_align with block_m = 128;
+ * The launcher guarantees: tile tables from moe_align with block_m =
+ * Shape::kBlockM (128; ping-pong 64);
  * K, n_rows and the row strides multiples of 8 elements and A / W bases
  * 16-byte aligned (TMA); k slices only for sm90_takes_slices (y by pair),
  * at most kSm90DownMaxSplits, with split_count. */
