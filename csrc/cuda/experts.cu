@@ -57,7 +57,7 @@ typedef struct experts_plan {
 /* the persistent Hopper GEMM2 picks its slice count on the device (moe_sum reads it) */
 inline bool plan_picks_splits(const experts_plan &plan)
 {
-    return mx_tile_is_sm90_persistent(plan.tile_config) && plan.down_splits > 1;
+    return mx_tile_sm90_takes_slices(plan.tile_config) && plan.down_splits > 1;
 }
 
 /* tma: the operands allow the Hopper kernels' TMA loads (see tma_usable) */
@@ -82,9 +82,8 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     } else {
         plan->down_splits = mx_select_down_splits(plan->tile_config, plan->tiles_max, p->hidden_size,
                                                   p->intermediate_size, &plan->down_split_len);
-        if (mx_tile_is_sm90_persistent(plan->tile_config))
-            mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (p->intermediate_size + 63) / 64, 1,
-                                        plan->tile_config != MX_TILE_SM90_PP);
+        if (mx_tile_sm90_takes_slices(plan->tile_config))
+            mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (p->intermediate_size + 63) / 64, 1);
     }
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
@@ -164,10 +163,10 @@ extern "C" void mx_cuda_sm90_down_split_rule(int units, int slots, int max_split
     *len = split.len;
 }
 
-extern "C" void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align, int takes_slices)
+extern "C" void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align)
 {
     const int n = sm90_down_splits_set.load(std::memory_order_relaxed);
-    if (n < 1 || !takes_slices)
+    if (n < 1)
         return;
     *splits = mx_sm90_down_split_exact(static_cast<int>(k_blocks), n < kSm90DownMaxSplits ? n : kSm90DownMaxSplits,
                                        align).count;
@@ -312,7 +311,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     if (st.code != MX_OK)
         return st;
 
-    return mx_cuda_moe_sum(y, nullptr, plan.down_splits, split_count, plan.pairs * H, p->topk_ids, p->expert_map, p->num_tokens,
-                           p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype, p->output,
-                           stream);
+    return mx_cuda_moe_sum(y, nullptr, plan.down_splits, split_count, plan.pairs * H, p->topk_ids, p->expert_map,
+                           p->num_tokens, p->top_k, H, p->global_num_experts, p->num_local_experts, p->act_dtype,
+                           p->output, stream);
 }

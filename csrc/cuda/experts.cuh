@@ -115,14 +115,14 @@ mx_status mx_cuda_grouped_gemm_fp16(const mx_gemm_args *g, mx_gemm_kind kind, in
 mx_status mx_cuda_grouped_gemm_f32(const mx_gemm_args *g, mx_gemm_kind kind, int64_t m_tiles,
                                    cudaStream_t stream);
 
-/* experts.cu: the plans' slice count for the persistent Hopper GEMM2 under
- * the test setting of mx_cuda_set_sm90_down_splits (abi.h): unchanged when
- * unset (the kernel picks up to *splits) or where the GEMM2 takes no slices
- * (takes_slices 0: block scales); else exactly that many where K allows
- * (*splits, *exact = 1 when > 1). k_blocks: GEMM2's 128-byte k blocks as
- * the kernel counts them; align: slice lengths' multiple (2: per-tensor
- * FP8). */
-void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align, int takes_slices);
+/* experts.cu: the plans' slice count for a persistent Hopper GEMM2 that
+ * takes k slices (mx_tile_sm90_takes_slices, mx_fp8_sm90_takes_slices)
+ * under the test setting of mx_cuda_set_sm90_down_splits (abi.h):
+ * unchanged when unset (the kernel picks up to *splits); else exactly that
+ * many where K allows (*splits, *exact = 1 when > 1). k_blocks: GEMM2's
+ * 128-byte k blocks as the kernel counts them; align: slice lengths'
+ * multiple (2: per-tensor FP8). */
+void mx_sm90_down_splits_setting(int *splits, int *exact, int64_t k_blocks, int align);
 
 /* moe_sum.cu: out[t] = sum_j sum_s y[s][row(t * top_k + j)] over the slots
  * with a local expert and the k_splits split-K slices s (split_stride

@@ -139,11 +139,10 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
         mx_fp8_select_down_splits(tile_config, plan->tiles_max, H, I, p->quant, &plan->down_split_len);
     const bool persistent = mx_fp8_tile_is_sm90_persistent(tile_config);
     plan->split_exact = 0;
-    if (persistent && !block) {
+    if (mx_fp8_sm90_takes_slices(tile_config, p->quant)) {
         /* the kernel promotes pairs of k blocks (an even count) */
         const int64_t k_blocks = mx_ceil_div(I, 128);
-        mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (k_blocks + 1) & ~1, 2,
-                                    tile_config != MX_FP8_TILE_SM90_PP);
+        mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (k_blocks + 1) & ~1, 2);
     }
     plan->a_sorted = persistent && !mx_fp8_sm90_gemm1_a_by_token(plan->pairs, local);
     plan->y_sorted = persistent && mx_sm90_down_by_sorted_row(p->quant, I);

@@ -373,6 +373,14 @@ static inline int mx_tile_is_sm90_persistent(int config)
     return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR || config == MX_TILE_SM90_PP;
 }
 
+/* The persistent configs whose GEMM2 may run in k slices (16-bit): the
+ * 128-row tiles, not the ping-pong units (grouped_gemm_sm90_impl.cuh
+ * sm90_takes_slices). */
+static inline int mx_tile_sm90_takes_slices(int config)
+{
+    return config == MX_TILE_SM90 || config == MX_TILE_SM90_PAIR;
+}
+
 static inline int mx_tile_is_sm90(int config)
 {
     return mx_tile_is_sm90_persistent(config) || mx_tile_is_sm90_decode(config);
@@ -558,7 +566,7 @@ static inline int mx_select_down_splits(int config, int64_t m_tiles, int64_t hid
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 2, split_len);
     if (mx_tile_is_sm90_persistent(config)) {
         *split_len = inter;
-        return config == MX_TILE_SM90_PP ? 1 : mx_sm90_down_max_splits(m_tiles, hidden, (inter + 63) / 64);
+        return mx_tile_sm90_takes_slices(config) ? mx_sm90_down_max_splits(m_tiles, hidden, (inter + 63) / 64) : 1;
     }
     const int64_t k_tiles = (inter + 63) / 64;
     int64_t splits = 1;

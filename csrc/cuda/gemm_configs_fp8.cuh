@@ -96,6 +96,13 @@ static inline int mx_fp8_tile_is_sm90_persistent(int config)
     return config == MX_FP8_TILE_SM90 || config == MX_FP8_TILE_SM90_PP;
 }
 
+/* The FP8 configs whose GEMM2 may run in k slices: the per-tensor 128-row
+ * tiles (not block scales, not the ping-pong units). */
+static inline int mx_fp8_sm90_takes_slices(int config, int quant)
+{
+    return config == MX_FP8_TILE_SM90 && quant != MX_QUANT_FP8_BLOCK;
+}
+
 static inline int mx_fp8_tile_is_sm90(int config)
 {
     return mx_fp8_tile_is_sm90_persistent(config) || mx_tile_is_sm90_decode(config);
@@ -270,9 +277,8 @@ static inline int mx_fp8_select_down_splits(int config, int64_t m_tiles, int64_t
         return mx_select_sm90_decode_splits(m_tiles, hidden, inter, 1, split_len);
     if (mx_fp8_tile_is_sm90_persistent(config)) {
         *split_len = inter;
-        return quant == MX_QUANT_FP8_BLOCK || config == MX_FP8_TILE_SM90_PP
-                   ? 1
-                   : mx_sm90_down_max_splits(m_tiles, hidden, (inter + 127) / 128);
+        return mx_fp8_sm90_takes_slices(config, quant) ? mx_sm90_down_max_splits(m_tiles, hidden, (inter + 127) / 128)
+                                                       : 1;
     }
     const int64_t k_tiles = (inter + 127) / 128;
     int64_t splits = 1;

@@ -95,11 +95,13 @@ namespace {
 
 /* ---- tile order and work units ---------------------------------------------------- */
 
-/* The GEMMs that may run in k slices: GEMM2 per tensor and 16-bit (the
- * block-scale GEMM2 does not: gemm_configs.cuh mx_sm90_down_max_splits). */
-template <int KIND, int QUANT> constexpr bool sm90_takes_slices()
+/* The GEMMs that may run in k slices: GEMM2 per tensor and 16-bit on the
+ * cooperative tiles (the block-scale GEMM2 does not: gemm_configs.cuh
+ * mx_sm90_down_max_splits; ping-pong units do not: their warpgroups find
+ * their ring slots from whole units of k blocks). */
+template <typename Shape, int KIND, int QUANT> constexpr bool sm90_takes_slices()
 {
-    return KIND == MX_GEMM_DOWN && QUANT != MX_QUANT_FP8_BLOCK;
+    return KIND == MX_GEMM_DOWN && QUANT != MX_QUANT_FP8_BLOCK && !Shape::kPingPong;
 }
 
 /* Persistent work-unit index -> (m unit, n tile): groups of G m units (the
@@ -190,7 +192,7 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
     sm90_unit u;
     int mu;
     const int per_split = num_mu * n_tiles;
-    u.split = sm90_takes_slices<KIND, QUANT>() ? unit / per_split : 0;
+    u.split = sm90_takes_slices<Shape, KIND, QUANT>() ? unit / per_split : 0;
     sm90_unit_coords<Shape::kGroupM>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = u.mt < num_m;
@@ -321,7 +323,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
      * in the unit order; the count goes to moe_sum through g.split_count */
     constexpr int kSplitAlign = kPromotePairs ? 2 : 1;
     mx_sm90_split split = {1, k_blocks};
-    constexpr bool kSlices = sm90_takes_slices<KIND, QUANT>();
+    constexpr bool kSlices = sm90_takes_slices<Shape, KIND, QUANT>();
     if (kSlices && g.k_splits > 1) {
         split = g.split_exact ? mx_sm90_down_split_exact(k_blocks, g.k_splits, kSplitAlign)
                               : mx_sm90_down_split(num_mu * n_tiles, clusters, g.k_splits, k_blocks, kSplitAlign);
@@ -446,7 +448,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         constexpr bool kAhead = KIND == MX_GEMM_DOWN && !kBlockScales;
         sm90_unit next = sm90_unit_start<Shape>(kAhead ? first : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
         sm90_unit_finish<KIND, QUANT>(next, g, sc);
-        for (int unit = first; unit < total; unit += stride) {
+        /* ping-pong: the CTA's units before this one (warpgroup wg takes turns wg, wg + 2, ...) */
+        int turn = wg;
+        for (int unit = first; unit < total; unit += stride, turn += 2) {
             const sm90_unit cur =
                 kAhead ? next : sm90_unit_now<Shape, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
             const bool more = kAhead && unit + stride < total;
@@ -456,7 +460,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
              * slots each (no k slices), so this unit's first slot is its
              * turn times that */
             if (kPingPong) {
-                const int turn = (unit - cluster) / clusters; /* the CTA's units before this one */
                 it = static_cast<uint32_t>(turn) * static_cast<uint32_t>(k_blocks);
                 if (turn > 0) /* the other warpgroup's unit turn - 1, its (turn - 1) / 2-th */
                     mbar_wait(turn_bar(wg ^ 1), static_cast<uint32_t>((turn - 1) / 2) & 1u);
@@ -740,10 +743,11 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
                               (long long)n_tiles);
     const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
-    if (g.k_splits < 1 || (g.k_splits > 1 && (!sm90_takes_slices<KIND, QUANT>() || Shape::kPingPong || boxes ||
-                                               !g.split_count || g.k_splits > kSm90DownMaxSplits)))
+    if (g.k_splits < 1 || (g.k_splits > 1 && (!sm90_takes_slices<Shape, KIND, QUANT>() || boxes || !g.split_count ||
+                                               g.k_splits > kSm90DownMaxSplits)))
         return mx_status_fail(MX_ERR_VALUE,
-                              "%s: %d k slices (GEMM2 per tensor or 16-bit, by pair, at most %d, with split_count)",
+                              "%s: %d k slices (GEMM2 per tensor or 16-bit on 128-row tiles, by pair, at most %d, "
+                              "with split_count)",
                               name, g.k_splits, kSm90DownMaxSplits);
     if (g.y_by_sorted_row && !boxes)
         return mx_status_fail(MX_ERR_VALUE, "%s: y by sorted row is not compiled here", name);

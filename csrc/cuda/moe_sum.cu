@@ -111,7 +111,8 @@ mx_status launch(const float *y, const int32_t *pair_rows, int splits, const int
     const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(mx_ceil_div(cols, kSumThreads)));
     auto kernel = vec4 ? moe_sum_kernel<T, true> : moe_sum_kernel<T, false>;
     return mx_check_call(mx_launch_after(kernel, grid, dim3(kSumThreads), top_k * sizeof(int32_t), stream, y, pair_rows,
-                                         splits, split_count, split_stride, ids, map, top_k, hidden, ge, le, static_cast<T *>(out)),
+                                         splits, split_count, split_stride, ids, map, top_k, hidden, ge, le,
+                                         static_cast<T *>(out)),
                          "moe_sum_kernel");
 }
 
@@ -128,14 +129,14 @@ extern "C" mx_status mx_cuda_moe_sum(const float *y, const int32_t *pair_rows, i
                               (long long)hidden);
     switch (dtype) {
     case MX_BF16:
-        return launch<__nv_bfloat16>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
-                                     global_experts, local_experts, out, stream);
+        return launch<__nv_bfloat16>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens,
+                                     top_k, hidden, global_experts, local_experts, out, stream);
     case MX_F16:
-        return launch<__half>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
-                              global_experts, local_experts, out, stream);
+        return launch<__half>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k,
+                              hidden, global_experts, local_experts, out, stream);
     case MX_F32:
-        return launch<float>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k, hidden,
-                             global_experts, local_experts, out, stream);
+        return launch<float>(y, pair_rows, k_splits, split_count, split_stride, topk_ids, expert_map, tokens, top_k,
+                             hidden, global_experts, local_experts, out, stream);
     default:
         return mx_status_fail(MX_ERR_TYPE, "moe_sum: dtype %s", mx_dtype_name(dtype));
     }
