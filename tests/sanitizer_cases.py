@@ -2,7 +2,7 @@
 bf16/fp16 experts with odd sizes, biases, expert_map, and both FP8 methods. Sizes with H and I
 multiples of 16 reach the Hopper kernels on an H100/H200: the decode kernel (16-, 32-, 48- and
 64-token tiles, split-K), the persistent kernel (>= 64 rows per expert; GEMM2 in k slices;
-16-bit and per-tensor FP8 on ping-pong 64-row units), FP8 on both, and moe_ext.Linear; routing
+16-bit and both FP8 methods on ping-pong 64-row units), FP8 on both, and moe_ext.Linear; routing
 fused with the sort (M <= 16) and apart, the sort in one block and split over chunks (> 8192
 pairs)."""
 import torch
@@ -72,11 +72,13 @@ def main():
     fill(layer, gen)
     x = torch.randn(480, 256, generator=gen).to("cuda", torch.bfloat16)
     assert torch.isfinite(layer(x, torch.randn(480, 48, generator=gen).cuda())).all()
-    # per-tensor FP8 ping-pong units: 48 experts, top 4, 1200 tokens (~100 rows each, two 64-row
-    # tiles), I = 256 / H = 512 (2 n tiles each): ~192 units, so both warpgroups of a CTA take units
-    layer = fp8_layer(gen, 48, 4, 512, 256)
+    # FP8 ping-pong units, per tensor and block scales: 48 experts, top 4, 1200 tokens (~100 rows
+    # each, two 64-row tiles), I = 256 / H = 512 (2 n tiles each): ~192 units, so both
+    # warpgroups of a CTA take units
     x = torch.randn(1200, 512, generator=gen).to("cuda", torch.bfloat16)
-    assert torch.isfinite(layer(x, torch.randn(1200, 48, generator=gen).cuda())).all()
+    logits = torch.randn(1200, 48, generator=gen).cuda()
+    for block in (None, [128, 128]):
+        assert torch.isfinite(fp8_layer(gen, 48, 4, 512, 256, block)(x, logits)).all()
     # 2100 tokens x top 4 = 8400 pairs: the sort splits over chunks (count / scan / scatter)
     layer = moe_ext.FusedMoE(32, 4, 128, 96, params_dtype=torch.bfloat16, device="cuda")
     fill(layer, gen)

@@ -2,10 +2,11 @@
 (gemm_configs_fp8.cuh, mx_fp8_select_sm90_config): the persistent kernel from 64 rows per local
 expert (its GEMM1 reading x_q by token below 128 rows per local expert, by sorted row from there:
 mx_fp8_sm90_gemm1_a_by_token), the decode kernel (16- / 32- / 48- / 64-token tiles, split-K)
-below; per tensor with H, I <= 2048 the persistent kernel's ping-pong 64-row units from 24 to 127
-rows per local expert; other GPUs run the mma.sync tiles through the same checks. A profiler
-trace shows which kernels ran.
-H and I are not multiples of 128, so partial scale blocks, k tails and partial n tiles run.
+below; from 24 to 127 rows per local expert with H, I <= 2048 (any H, I from 32 local experts)
+the persistent kernel's ping-pong 64-row units (with block scales not for a gated GEMM1 whose
+I % 128 != 0); other GPUs run the mma.sync tiles through the same checks. A profiler trace shows
+which kernels ran.
+H and I are mostly not multiples of 128, so partial scale blocks, k tails and partial n tiles run.
 
 Per-tensor layers are checked with compare_tensor: the activation scale is the max over the
 rounded activations, so the engine's GEMM landing one bf16 ulp away on that single largest value
@@ -36,12 +37,16 @@ PERSISTENT_GEMM1_FP8 = re.compile(r"grouped_gemm_sm90_kernel<__nv_fp8_e4m3, .*mx
                                   r"(true|false)>")
 
 
-def ping_pong_units(method, cfg, rows_per_expert, h, i):
+def ping_pong_units(method, cfg, rows_per_expert, h, i, experts):
     """Whether the FP8 rule puts the persistent kernel on ping-pong 64-row units
-    (gemm_configs_fp8.cuh kFp8Sm90PingPongMaxRowsPerExpert): per tensor, 24 to 127 rows per local
-    expert, H and I at most 2048, not the interleaved GEMM1."""
-    return method == "tensor" and test_gpu_sm90.ping_pong_units(rows_per_expert, h, i, cfg[0] == "swigluoai-bias",
-                                                                max_rows=128)
+    (gemm_configs_fp8.cuh kFp8Sm90PingPongMinRowsPerExpert): 24 (16 with block scales or K past
+    2048) to 127 rows per local expert, H and I at most 2048 unless there are 32 local experts or
+    more, not the interleaved GEMM1; with block scales a gated GEMM1 needs I % 128 == 0 (its
+    128-row up box in one scale block)."""
+    min_rows = 16 if method == "block" or max(h, i) > 2048 else 24
+    return ((method == "tensor" or not cfg[3] or i % 128 == 0)
+            and test_gpu_sm90.ping_pong_units(rows_per_expert, h, i, experts, cfg[0] == "swigluoai-bias",
+                                              min_rows, max_rows=128))
 
 
 def check_persistent_shapes(names, ping_pong):
@@ -115,22 +120,46 @@ def test_fp8_prefill_single_ctas(method, gen):
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[CONFIGS[0][0], CONFIGS[3][0]])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_ping_pong_units(method, cfg, gen):
-    """Per tensor, 24 to 127 rows per local expert with short K run the persistent kernel's
-    ping-pong 64-row units, each math warpgroup every other unit of its CTA on the one ring (block
-    scales keep the 128-row tiles). ~100 rows per expert (two 64-row tiles, the second partial),
-    H = 2000 and I = 1088 (GEMM1 9 n tiles, 16 k blocks with a tail; GEMM2 8 n tiles, the last
-    past H, 9 k blocks promoted in pairs with a zero-filled 10th) make 288 / 256 units: on 132 SMs
-    both warpgroups of a CTA take units, some CTAs three."""
+    """24 to 127 rows per local expert with short K run the persistent kernel's ping-pong 64-row
+    units, each math warpgroup every other unit of its CTA on the one ring; with block scales not
+    the gated GEMM1 with I % 128 != 0 (silu here: the 128-row tiles). ~100 rows per expert (two
+    64-row tiles, the second partial), H = 2000 and I = 1088 (GEMM1 9 n tiles, 16 k blocks with a
+    tail; GEMM2 8 n tiles, the last past H, 9 k blocks, per tensor promoted in pairs with a
+    zero-filled 10th) make 288 / 256 units: on 132 SMs both warpgroups of a CTA take units, some
+    CTAs three."""
     e, k, h, i = 16, 4, 2000, 1088
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, cfg)
     names = checked_forward(gen, layer, 400, e, f"fp8 {method} {cfg[0]} ping-pong units", cfg=cfg)
     if on_hopper():
-        check_persistent_shapes(names, method == "tensor")
+        ping_pong = ping_pong_units(method, cfg, 100, h, i, e)
+        assert ping_pong == (method == "tensor" or cfg[0] == "relu2-nogate")
+        check_persistent_shapes(names, ping_pong)
+
+
+@pytest.mark.parametrize("rows_per_expert", [20, 40])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_ping_pong_units_long_k(method, rows_per_expert, gen):
+    """From 32 local experts the ping-pong units take any K, and past K = 2048 from 16 rows per
+    expert: H = 2064 (17 k blocks, the last a 16-column tail), I = 640 (a multiple of 128, so
+    block scales take them for the gated GEMM1 too, quantizing act in its epilogue; 5 k blocks,
+    per tensor promoted in pairs with a zero-filled 6th), ~20 / ~40 rows per expert of 32: GEMM1
+    5 n tiles, GEMM2 9 (the last past H), so 160 / 288 units."""
+    e, k, h, i = 32, 4, 2064, 640
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
+    m = rows_per_expert * e // k
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} ping-pong units at K = {h}, M = {m}")
+    if on_hopper():
+        assert ping_pong_units(method, CONFIGS[0], rows_per_expert, h, i, e)
+        check_persistent_shapes(names, True)
+        persistent_gemm1_reads_by_token(names, rows_per_expert)
+        quantizers = [n for n in names if "group_quant" in n]
+        assert len(quantizers) == (0 if method == "tensor" else 1), names
 
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_no_ping_pong_past_short_k(method, gen):
-    """Past K = 2048 (H = 2064) the same rows per expert keep the 128-row tiles."""
+    """Past K = 2048 (H = 2064) with 16 local experts the same rows per expert keep the 128-row
+    tiles."""
     e, k, h, i = 16, 4, 2064, 1088
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
     names = checked_forward(gen, layer, 400, e, f"fp8 {method} 128-row tiles at K = {h}")
@@ -205,7 +234,7 @@ def test_fp8_matches_reference(method, cfg, dtype, rows_per_expert, gen):
     names = checked_forward(gen, layer, m, e, f"fp8 {method} {cfg[0]} {dtype} M={m}", cfg=cfg, dtype=dtype)
     if on_hopper():
         tile = expected_gemm_kernel(m * k / e)
-        ping_pong = ping_pong_units(method, cfg, m * k / e, h, i)
+        ping_pong = ping_pong_units(method, cfg, m * k / e, h, i, e)
         if tile == PERSISTENT_KERNEL or ping_pong:
             check_persistent_shapes(names, ping_pong)
             persistent_gemm1_reads_by_token(names, m * k / e)
@@ -239,7 +268,8 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
                             x_offset)
     if on_hopper():
         assert expected_gemm_kernel(m * k / layer.local_num_experts) == PERSISTENT_KERNEL
-        check_persistent_shapes(names, ping_pong_units(method, CONFIGS[0], m * k / layer.local_num_experts, h, i))
+        check_persistent_shapes(names, ping_pong_units(method, CONFIGS[0], m * k / layer.local_num_experts, h, i,
+                                                       layer.local_num_experts))
         persistent_gemm1_reads_by_token(names, m * k / layer.local_num_experts)
 
 
@@ -277,11 +307,12 @@ def test_fp8_decode_split_k_and_fp16(method, gen):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_decode_down_walks_many_units(method, rows_per_expert, i, gen):
     """FP8 GEMM2 with more work units than CTAs that fit the GPU and a partial chunk of n tiles
-    (H = 2064: 17 n tiles; past K = 2048, so per tensor at 30 rows per expert stays on the decode
-    kernel, not ping-pong units). Units of up to 8 k blocks (I = 256) run the persistent down
-    kernel, each CTA walking several units with its ring running on across them (2 k blocks per
-    unit, fewer than the stages); longer ones (I = 1280) the decode kernel, one CTA per unit."""
-    e, k, h = 64, 2, 2064
+    (H = 2064: 17 n tiles; past K = 2048 with fewer than 32 local experts, so at 30 rows per expert
+    it stays on the decode kernel, not ping-pong units: 31 x 17 = 527 units). Units of up to 8 k
+    blocks (I = 256) run the persistent down kernel, each CTA walking several units with its ring
+    running on across them (2 k blocks per unit, fewer than the stages); longer ones (I = 1280) the
+    decode kernel, one CTA per unit."""
+    e, k, h = 31, 2, 2064
     layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, CONFIGS[0])
     m = int(rows_per_expert * e / k)
     names = checked_forward(gen, layer, m, e, f"fp8 {method} down I={i} M={m}")

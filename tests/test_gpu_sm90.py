@@ -1,8 +1,8 @@
 """CUDA engine with H and I multiples of 8 (TMA strides) but not of 64 (k tails, partial n tiles),
 so that a Hopper GPU takes the sm_90a wgmma kernels (gemm_configs.cuh mx_select_sm90_config):
 the persistent kernel from 64 rows per expert, the decode kernel (operands swapped, 16- / 32- /
-48- / 64-token tiles, split-K) below, but from 24 rows per expert with H, I <= 2048 the persistent
-kernel's ping-pong 64-row units. Other GPUs run the mma.sync tiles through the same checks."""
+48- / 64-token tiles, split-K) below, but from 24 rows per expert with H, I <= 2048 (any H, I
+from 32 local experts) the persistent kernel's ping-pong 64-row units. Other GPUs run the mma.sync tiles through the same checks."""
 import pytest
 import torch
 
@@ -20,11 +20,13 @@ PAIR_SHAPE = "mx_sm90_shape<256, 4, 2, 8, false>"  # the persistent kernel's 128
 PING_PONG_SHAPE = "mx_sm90_shape<256, 5, 1, 8, true>"  # its ping-pong 64-row units
 
 
-def ping_pong_units(rows_per_expert, h, i, interleaved=False, max_rows=64):
+def ping_pong_units(rows_per_expert, h, i, experts, interleaved=False, min_rows=24, max_rows=64):
     """Whether the Hopper rule runs ping-pong 64-row units (gemm_configs.cuh mx_sm90_ping_pong):
-    from 24 rows per local expert to under max_rows (16-bit 64, per-tensor FP8 128), H and I at
-    most 2048, not the interleaved GEMM1."""
-    return 24 <= rows_per_expert < max_rows and max(h, i) <= 2048 and not interleaved
+    from min_rows rows per local expert (24; FP8 16 with block scales or long K) to under max_rows
+    (16-bit 64, FP8 128), H and I at most 2048 unless there are 32 local experts or more, not the
+    interleaved GEMM1."""
+    return (min_rows <= rows_per_expert < max_rows and (max(h, i) <= 2048 or experts >= 32)
+            and not interleaved)
 
 
 def expected_gemm_kernel(rows_per_expert):
@@ -60,7 +62,7 @@ def test_matches_reference(cfg, dtype, rows_per_expert, gen):
     names = checked_forward(gen, dtype, layer, reference, m, e)
     if on_hopper():
         rows = m * k / layer.local_num_experts
-        ping_pong = ping_pong_units(rows, 328, 200, kw.get("activation") == "swigluoai")
+        ping_pong = ping_pong_units(rows, 328, 200, layer.local_num_experts, kw.get("activation") == "swigluoai")
         kernel = PING_PONG_SHAPE if ping_pong else expected_gemm_kernel(rows)
         assert any(kernel in n for n in names), f"no {kernel} ran: {names}"
 
@@ -152,24 +154,27 @@ def test_cluster_pairs_down_split_k(splits, gen):
         assert any(PERSISTENT_KERNEL in n and PAIR_SHAPE in n for n in names), f"no {PAIR_SHAPE} ran: {names}"
 
 
+@pytest.mark.parametrize("e,h", [(48, 776), (48, 2120), (16, 2120)], ids=["short-k", "long-k", "long-k-16-experts"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=[c[0] for c in CONFIGS[:3]])
-def test_ping_pong_units(cfg, dtype, gen):
-    """From 24 to 63 rows per local expert with H, I <= 2048 the persistent kernel runs 64-row
-    units, each math warpgroup every other unit of its CTA on the one ring (mx_tile_sm90_pp). ~40
-    rows per expert of 48, H = 776 and I = 520 (GEMM1: 5 n tiles, 13 k blocks with a tail; GEMM2:
-    4 n tiles, the last past H, 9 k blocks) make 240 / 192 units, so on 132 SMs both warpgroups
-    take units. swigluoai (interleaved GEMM1) keeps the decode kernel."""
+def test_ping_pong_units(cfg, dtype, e, h, gen):
+    """From 24 to 63 rows per local expert the persistent kernel runs 64-row units, each math
+    warpgroup every other unit of its CTA on the one ring (mx_tile_sm90_pp), with H, I <= 2048 or
+    from 32 local experts. ~40 rows per expert of 48, H = 776 and I = 520 (GEMM1: 5 n tiles, 13 k
+    blocks with a tail; GEMM2: 4 n tiles, the last past H, 9 k blocks) make 240 / 192 units, so
+    on 132 SMs both warpgroups take units; H = 2120 (34 k blocks with a tail, 9 GEMM2 n tiles)
+    makes 240 / 432. With 16 experts H = 2120 keeps the decode kernel, as does swigluoai
+    (interleaved GEMM1) everywhere."""
     _, _, _, kw, corr = cfg
-    e, k = 48, 4
-    layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=776, i=520)
-    names = checked_forward(gen, dtype, layer, reference, 480, e)
+    k = 4
+    layer, _, reference = cuda_case(gen, dtype, e, dict(kw, top_k=k), corr, h=h, i=520)
+    names = checked_forward(gen, dtype, layer, reference, 40 * e // k, e)
     if on_hopper():
         units = [n for n in names if PERSISTENT_KERNEL in n]
-        if kw.get("activation") == "swigluoai":
-            assert not units, names
-        else:
+        if ping_pong_units(40, h, 520, e, kw.get("activation") == "swigluoai"):
             assert len(units) == 2 and all(PING_PONG_SHAPE in n for n in units), names
+        else:
+            assert not units, names
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])

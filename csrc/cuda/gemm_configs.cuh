@@ -125,7 +125,7 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
 /* Ping-pong units of 64 rows x 256 (mx_sm90_shape PING_PONG) at a few tens
- * of rows per expert and short K (mx_sm90_ping_pong): the 128-row tiles
+ * of rows per expert, with short K or many experts (mx_sm90_ping_pong): the 128-row tiles
  * there are mostly padding, and the cooperative tile's epilogue leaves the
  * ring idle. 5 stages of 40 KB (221 KB with the warps' staging; the
  * interleaved kind's 32 KB of boxes do not fit, so it keeps mx_tile_sm90). */
@@ -516,25 +516,38 @@ static inline int mx_select_sm90_decode_splits(int64_t m_tiles, int64_t hidden, 
  * Returns an SM90 config, or -1 for the mma.sync rule. */
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
-/* Ping-pong 64-row units (mx_tile_sm90_pp) where both GEMMs' K is at most
- * kSm90PingPongMaxK and an expert has kSm90PingPongMinRowsPerExpert rows or
- * more, below kSm90PingPongMaxRowsPerExpert (16-bit; per-tensor FP8 up to
+/* Ping-pong 64-row units (mx_tile_sm90_pp) from min_rows rows per expert
+ * (kSm90PingPongMinRowsPerExpert; FP8 from fewer, gemm_configs_fp8.cuh)
+ * to under max_rows (16-bit kSm90PingPongMaxRowsPerExpert; per-tensor FP8
  * kFp8Sm90PingPongMaxRowsPerExpert, gemm_configs_fp8.cuh, which has the
- * measurements), not for the interleaved GEMM1 (its staging boxes do not
- * fit beside that ring). 16-bit against the decode kernel's 48-token tiles
- * (H200, 2026-11-27, two rounds): qwen3moe bf16 M = 512 (32 rows per
- * expert) 351.7 -> 340.3 us (-3.2%); against the 128-row tiles at 64 rows
- * (M = 1024) +1.9% (GEMM1 216 -> 229 us) and Mixtral bf16 M = 256 (K 4096 /
- * 14336) +6.5%; at 16 rows (M = 256) even with the decode kernel (FP8). */
+ * measurements), where both GEMMs' K is at most kSm90PingPongMaxK or there
+ * are kSm90PingPongLongKMinExperts local experts or more, not for the
+ * interleaved GEMM1 (its staging boxes do not fit beside that ring).
+ * 16-bit against the decode kernel's 48-token tiles (H200, 2026-11-27, two
+ * rounds): qwen3moe bf16 M = 512 (32 rows per expert) 351.7 -> 340.3 us
+ * (-3.2%); against the 128-row tiles at 64 rows (M = 1024) +1.9% (GEMM1
+ * 216 -> 229 us) and Mixtral bf16 M = 256 (K 4096 / 14336) +6.5%; at 16
+ * rows (M = 256) even with the decode kernel (FP8). Long K lost at
+ * Mixtral's 8 experts because its few long units ran in serial rounds
+ * (gemm_configs_fp8.cuh); with 256 experts there are thousands of units:
+ * DeepSeek-V3 (K 7168 / 2048) at 32 rows per expert (M = 1024), H200,
+ * 2026-11-27, two rounds each (logs/2026-11-27-nvidia-h200-ab-ping-pong-long-k-block-scales.txt):
+ * fp8_tensor 2913.4 -> 2651.8 us (-9.0%), bf16 5315.0 -> 5305.3 (-0.2%). */
 constexpr int64_t kSm90PingPongMinRowsPerExpert = 24;
 constexpr int64_t kSm90PingPongMaxRowsPerExpert = 64;
 constexpr int64_t kSm90PingPongMaxK = 2048;
+constexpr int64_t kSm90PingPongLongKMinExperts = 32;
 
-static inline bool mx_sm90_ping_pong(int64_t rows, int64_t e, int64_t max_rows, int64_t hidden, int64_t inter,
-                                     int interleaved)
+static inline bool mx_sm90_short_k(int64_t hidden, int64_t inter)
 {
-    return rows >= kSm90PingPongMinRowsPerExpert * e && rows < max_rows * e && hidden <= kSm90PingPongMaxK &&
-           inter <= kSm90PingPongMaxK && !interleaved;
+    return hidden <= kSm90PingPongMaxK && inter <= kSm90PingPongMaxK;
+}
+
+static inline bool mx_sm90_ping_pong(int64_t rows, int64_t e, int64_t min_rows, int64_t max_rows, int64_t hidden,
+                                     int64_t inter, int interleaved)
+{
+    return rows >= min_rows * e && rows < max_rows * e &&
+           (mx_sm90_short_k(hidden, inter) || e >= kSm90PingPongLongKMinExperts) && !interleaved;
 }
 
 static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, int64_t hidden, int64_t inter,
@@ -543,7 +556,8 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
     const int64_t e = local_experts > 0 ? local_experts : 1;
     if (hidden % 8 != 0 || inter % 8 != 0)
         return -1;
-    if (mx_sm90_ping_pong(pairs, e, kSm90PingPongMaxRowsPerExpert, hidden, inter, interleaved))
+    if (mx_sm90_ping_pong(pairs, e, kSm90PingPongMinRowsPerExpert, kSm90PingPongMaxRowsPerExpert, hidden, inter,
+                          interleaved))
         return MX_TILE_SM90_PP;
     if (pairs < kSm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(pairs, e);

@@ -87,7 +87,7 @@ enum mx_fp8_tile_config {
     MX_FP8_TILE_SM90_MID = MX_TILE_SM90_MID,
     MX_FP8_TILE_SM90_DECODE32 = MX_TILE_SM90_DECODE32,
     MX_FP8_TILE_SM90_DECODE48 = MX_TILE_SM90_DECODE48,
-    /* Hopper persistent kernel, ping-pong 64-row units (mx_tile_sm90_pp), per-tensor scales */
+    /* Hopper persistent kernel, ping-pong 64-row units (mx_tile_sm90_pp), either scales */
     MX_FP8_TILE_SM90_PP = MX_TILE_SM90_PP,
 };
 
@@ -163,24 +163,38 @@ static inline int mx_fp8_select_tile_config(int64_t rows, int64_t local_experts,
  * 64 stays for both.
  * Returns an SM90 config or -1. */
 constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
-/* Per tensor, from gemm_configs.cuh kSm90PingPongMinRowsPerExpert to under
- * kFp8Sm90PingPongMaxRowsPerExpert rows per expert and with both GEMMs' K
- * at most kSm90PingPongMaxK (mx_sm90_ping_pong), the persistent kernel runs
- * ping-pong 64-row units (mx_tile_sm90_pp). Against the 128-row tiles
- * (H200, 2026-11-27, two rounds each, forwards): qwen3moe fp8_tensor
- * M = 1024 (64 rows per expert; K 2048 / 768) 269.5 -> 250.9 and 267.2 ->
- * 245.0 us (-7 / -8%; GEMM1 131 -> 121, GEMM2 85 -> 78), where the 128-row
- * tiles are half padding and a unit of 16 / 6 k blocks leaves the ring
- * idle behind its epilogue; at 256 rows (M = 4096) -2.0% (the 128-row
- * tiles' own runs moved 1.1% between builds of one binary) and at 1024
- * rows +5.4%, so the 128-row tiles keep those. Against the decode kernel's
- * 48-token tiles at 32 rows per expert (M = 512): 217.1 -> 205.2 us
- * (-5.5%); at 16 rows (M = 256) even. Where K is long it lost: Mixtral
- * fp8_tensor M = 256 (K 4096 / 14336) +1.0% (GEMM2 128 -> 151 us: 192
- * units of 112 k blocks on 132 SMs run two serial rounds where 128 ran
- * one). An expert of 65-127 rows takes two units, each loading the weight
- * tile (the second from L2 when both run together); the 16-bit forms lost
- * at 64 rows (gemm_configs.cuh), so only FP8 goes past 63. */
+/* From kSm90PingPongMinRowsPerExpert rows per expert (24; from
+ * kFp8Sm90PingPongMinRowsPerExpert with block scales or past short K) to
+ * under kFp8Sm90PingPongMaxRowsPerExpert, with both GEMMs' K at most
+ * kSm90PingPongMaxK or many experts (mx_sm90_ping_pong), the persistent
+ * kernel runs ping-pong 64-row units (mx_tile_sm90_pp); with block scales
+ * each k block of a weight box is promoted as on the 128x256 tiles, and the
+ * gated GEMM1 needs I % 128 == 0 (its 128-row up box in one scale block).
+ * Per tensor against the 128-row tiles (H200, 2026-11-27, two rounds each,
+ * forwards): qwen3moe fp8_tensor M = 1024 (64 rows per expert; K 2048 /
+ * 768) 269.5 -> 250.9 and 267.2 -> 245.0 us (-7 / -8%; GEMM1 131 -> 121,
+ * GEMM2 85 -> 78), where the 128-row tiles are half padding and a unit of
+ * 16 / 6 k blocks leaves the ring idle behind its epilogue; at 256 rows
+ * (M = 4096) -2.0% (the 128-row tiles' own runs moved 1.1% between builds
+ * of one binary) and at 1024 rows +5.4%, so the 128-row tiles keep those.
+ * Against the decode kernel's 48-token tiles at 32 rows per expert
+ * (M = 512): 217.1 -> 205.2 us (-5.5%); at 16 rows (M = 256) +1.6%, so per
+ * tensor with short K starts at 24. Where K is long with few experts it
+ * lost: Mixtral fp8_tensor M = 256 (K 4096 / 14336) +1.0% (GEMM2 128 ->
+ * 151 us: 192 units of 112 k blocks on 132 SMs run two serial rounds where
+ * 128 ran one). An expert of 65-127 rows takes two units, each loading the
+ * weight tile (the second from L2 when both run together); the 16-bit
+ * forms lost at 64 rows (gemm_configs.cuh), so only FP8 goes past 63.
+ * Block scales and many experts with long K, H200, 2026-11-27, two rounds
+ * each (logs/2026-11-27-nvidia-h200-ab-ping-pong-long-k-block-scales.txt):
+ * DeepSeek-V3 (K 7168 / 2048) fp8_block M = 1024 (32 rows per expert)
+ * 3327.4 -> 2725.5 us (-18.1%) and fp8_tensor 2913.4 -> 2651.8 (-9.0%)
+ * against the decode kernel's 48-token tiles; at 16 rows (M = 512)
+ * fp8_block 2563.2 -> 2293.5 (-10.5%), fp8_tensor 2361.3 -> 2231.1 (-5.5%);
+ * qwen3moe fp8_block M = 256 / 512 (16 / 32 rows) -4.3 / -7.4%, M = 1024
+ * (64 rows, against the 128x256 tiles) -2.7%. With block scales up to 255
+ * rows DeepSeek-V3 M = 4096 (128 rows) lost 10.6%, so 128 bounds both. */
+constexpr int64_t kFp8Sm90PingPongMinRowsPerExpert = 16;
 constexpr int64_t kFp8Sm90PingPongMaxRowsPerExpert = 128;
 
 static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,
@@ -189,7 +203,10 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
     const int64_t e = local_experts > 0 ? local_experts : 1;
     if (hidden % 16 != 0 || inter % 16 != 0 || (block_scales && gated && inter % 64 != 0))
         return -1;
-    if (!block_scales && mx_sm90_ping_pong(rows, e, kFp8Sm90PingPongMaxRowsPerExpert, hidden, inter, interleaved))
+    const int64_t min_rows = block_scales || !mx_sm90_short_k(hidden, inter) ? kFp8Sm90PingPongMinRowsPerExpert
+                                                                             : kSm90PingPongMinRowsPerExpert;
+    if ((!block_scales || !gated || inter % 128 == 0) &&
+        mx_sm90_ping_pong(rows, e, min_rows, kFp8Sm90PingPongMaxRowsPerExpert, hidden, inter, interleaved))
         return MX_FP8_TILE_SM90_PP;
     if (rows < kFp8Sm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(rows, e);
@@ -252,13 +269,14 @@ static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_col
 /* Whether the block-scale GEMM1 of `config` quantizes act in its epilogue
  * (no act group quantizer launch): the Hopper decode kernel's small tiles
  * (mx_tile_sm90_decode_quantizes_act) and the persistent kernel's gated
- * 128x256 tiles (grouped_gemm_sm90_epilogue.cuh sm90_quantizes_act), whose 128
- * act columns per tile row are one 128-column group. */
+ * 256-wide tiles and ping-pong units (grouped_gemm_sm90_epilogue.cuh
+ * sm90_quantizes_act), whose 128 act columns per row are one 128-column
+ * group. */
 static inline bool mx_fp8_sm90_block_gemm1_quantizes_act(int config, bool gated, int64_t inter)
 {
     if (mx_tile_is_sm90_decode(config))
         return mx_tile_sm90_decode_quantizes_act(config);
-    return config == MX_FP8_TILE_SM90 && gated && mx_fp8_sm90_block_wide_gemm1(true, inter);
+    return mx_fp8_tile_is_sm90_persistent(config) && gated && mx_fp8_sm90_block_wide_gemm1(true, inter);
 }
 
 /* Split-K of GEMM2: with few experts the decode grids have too few CTAs

@@ -1,9 +1,9 @@
 /* FP8 (float8_e4m3) instantiations of the Hopper grouped GEMM
  * (grouped_gemm_sm90_impl.cuh describes operands, tiling and pipeline) for
  * the expert pipeline of experts_fp8.cu: per-tensor scales on the 128x256
- * tiles (single CTAs: gemm_configs_fp8.cuh says why no pairs) or on
- * ping-pong 64-row units (MX_FP8_TILE_SM90_PP), 128x128
- * block scales on 128x256 or 128x128 tiles (mx_fp8_sm90_block_wide); act
+ * tiles (single CTAs: gemm_configs_fp8.cuh says why no pairs), 128x128
+ * block scales on 128x256 or 128x128 tiles (mx_fp8_sm90_block_wide), and
+ * either on ping-pong 64-row units (MX_FP8_TILE_SM90_PP); act
  * dtype bfloat16 or float16. The entry
  * also routes the decode configs to grouped_gemm_sm90_decode.cu, the only
  * ones that take the dense LINEAR kind (fp8_linear.cu). */
@@ -19,8 +19,9 @@ mx_status fp8_sm90_for_dtype(const mx_gemm_args *g, const mx_sm90_scales &sc, mx
 {
     typedef __nv_fp8_e4m3 E4M3;
     if (tile_config == MX_FP8_TILE_SM90_PP) {
-        if (quant != MX_QUANT_FP8_TENSOR)
-            return mx_status_fail(MX_ERR_VALUE, "grouped_gemm_fp8_sm90: ping-pong units take per-tensor scales only");
+        if (quant == MX_QUANT_FP8_BLOCK)
+            return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_pp, MX_QUANT_FP8_BLOCK>(g, sc, kind, a_by_token,
+                                                                                       local_experts, m_tiles, stream);
         return grouped_gemm_sm90_shape<E4M3, T, mx_tile_sm90_pp, MX_QUANT_FP8_TENSOR>(g, sc, kind, a_by_token,
                                                                                     local_experts, m_tiles, stream);
     }

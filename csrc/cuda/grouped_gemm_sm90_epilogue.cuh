@@ -273,18 +273,20 @@ template <int KIND, int QUANT> constexpr bool sm90_warp_staged()
     return !sm90_staged_out<KIND>() && QUANT != MX_QUANT_FP8_BLOCK;
 }
 
-/* GEMM2 with block scales stores y by sorted row through each math warp's
- * two TMA boxes (sm90_store_down_boxes) where g.y_by_sorted_row, else by
- * pair from the fragments; launched without the boxes' shared memory then.
- * sm90_down_boxes: the kernel has the boxes; sm90_y_boxes: this launch
- * uses them. */
-template <int KIND, int QUANT> constexpr bool sm90_down_boxes()
+/* GEMM2 with block scales on the cooperative tiles stores y by sorted row
+ * through each math warp's two TMA boxes (sm90_store_down_boxes) where
+ * g.y_by_sorted_row, else by pair from the fragments; launched without the
+ * boxes' shared memory then. Ping-pong units have no boxes (they do not fit
+ * beside that ring) and store by pair. sm90_down_boxes: the kernel has the
+ * boxes; sm90_y_boxes: this launch uses them. */
+template <typename Shape, int KIND, int QUANT> constexpr bool sm90_down_boxes()
 {
-    return KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_FP8_BLOCK;
+    return KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_FP8_BLOCK && !Shape::kPingPong;
 }
-template <int KIND, int QUANT> __host__ __device__ __forceinline__ bool sm90_y_boxes(const mx_gemm_args &g)
+template <typename Shape, int KIND, int QUANT>
+__host__ __device__ __forceinline__ bool sm90_y_boxes(const mx_gemm_args &g)
 {
-    return sm90_down_boxes<KIND, QUANT>() && g.y_by_sorted_row;
+    return sm90_down_boxes<Shape, KIND, QUANT>() && g.y_by_sorted_row;
 }
 
 /* Shared memory of one kernel past the ring: its epilogue's staging. */
@@ -292,7 +294,7 @@ template <typename Shape, int KIND, int QUANT> constexpr uint32_t sm90_out_bytes
 {
     return sm90_staged_out<KIND>()            ? Shape::kOutBytes
            : sm90_warp_staged<KIND, QUANT>() ? Shape::kMathWarps * Shape::kWarpStageBytes
-           : sm90_down_boxes<KIND, QUANT>()  ? Shape::kMathWarps * Shape::kDownStageBytes
+           : sm90_down_boxes<Shape, KIND, QUANT>() ? Shape::kMathWarps * Shape::kDownStageBytes
                                              : 0;
 }
 template <typename Shape, int KIND, int QUANT> constexpr size_t sm90_smem_bytes()
@@ -305,7 +307,7 @@ template <typename Shape, int KIND, int QUANT> constexpr size_t sm90_smem_bytes(
 template <typename Shape, int KIND, int QUANT>
 __host__ __device__ __forceinline__ uint32_t sm90_launch_out_bytes(const mx_gemm_args &g)
 {
-    return sm90_down_boxes<KIND, QUANT>() && !g.y_by_sorted_row ? 0u : sm90_out_bytes<Shape, KIND, QUANT>();
+    return sm90_down_boxes<Shape, KIND, QUANT>() && !g.y_by_sorted_row ? 0u : sm90_out_bytes<Shape, KIND, QUANT>();
 }
 
 /* The staging boxes of the thread's warpgroup and the thread's first row in them. */
@@ -553,7 +555,7 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
             sm90_store_act_q<T, Shape, MX_ACT_GELU>(acc, rows, lane, nt, expert, g, sc, scales);
         else
             sm90_store_act_q<T, Shape, MX_ACT_SILU>(acc, rows, lane, nt, expert, g, sc, scales);
-    } else if (sm90_y_boxes<KIND, QUANT>(g)) {
+    } else if (sm90_y_boxes<Shape, KIND, QUANT>(g)) {
         sm90_store_down_boxes<T, Shape>(acc, rows, lane, nt, expert, g, sc, mx_smem_addr(warp_stage), map_out,
                                         warp_row0);
     } else if (KIND == MX_GEMM_DOWN && kWarpStaged) {

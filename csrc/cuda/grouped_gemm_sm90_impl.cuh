@@ -47,8 +47,8 @@
  * barrier (one arrival per math warp of the cluster, sent once the wgmmas
  * reading the slot have retired: the math warpgroups keep one k-block of
  * wgmma in flight).
- * Ping-pong (Shape::kPingPong, 16-bit and per-tensor FP8 at a few tens of
- * rows per expert and short K, gemm_configs.cuh mx_sm90_ping_pong): units of 64 rows
+ * Ping-pong (Shape::kPingPong, at a few tens of rows per expert with short
+ * K or many experts, gemm_configs.cuh mx_sm90_ping_pong): units of 64 rows
  * (a 64-row tile table) x kBlockN, each taken whole by one math
  * warpgroup, the two in turn (the CTA's units 0, 2, 4, ... and 1, 3, ...);
  * the producer fills the ring in unit order, so one warpgroup's epilogue
@@ -245,7 +245,7 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
  * such sets do not fit the registers: each weight box's k block goes into
  * one set of BN/4 (m64n128 wgmmas) and is promoted once retired, as the
  * per-tensor tiles promote (the other math warpgroup's wgmmas keep the
- * tensor cores busy meanwhile). */
+ * tensor cores busy meanwhile; on ping-pong units its epilogue runs). */
 template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
@@ -268,8 +268,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     constexpr bool kBlockScales = QUANT == MX_QUANT_FP8_BLOCK;
     constexpr bool kTwoSets = kBlockScales && BN <= 128; /* two product sets of the whole tile fit */
     constexpr bool kPingPong = Shape::kPingPong;
-    static_assert(!kPingPong || (!kBlockScales && KIND != MX_GEMM_GATE_UP_INTERLEAVED),
-                  "ping-pong units: 16-bit and per-tensor FP8, not the interleaved GEMM1");
+    static_assert(!kPingPong || (!kTwoSets && KIND != MX_GEMM_GATE_UP_INTERLEAVED),
+                  "ping-pong units: 256-wide, not the interleaved GEMM1");
     static_assert(!A_BY_TOKEN || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
     static_assert(A_BY_TOKEN || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
 
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     named_barrier_sync(1 + wg, 128);
                 }
                 constexpr uint32_t kWarpBytes =
-                    sm90_down_boxes<KIND, QUANT>() ? Shape::kDownStageBytes : Shape::kWarpStageBytes;
+                    sm90_down_boxes<Shape, KIND, QUANT>() ? Shape::kDownStageBytes : Shape::kWarpStageBytes;
                 unsigned char *warp_stage =
                     sm90_smem + (out_boxes - mx_smem_addr(sm90_smem)) + (threadIdx.x / 32) * kWarpBytes;
                 sm90_epilogue<T, Shape, KIND, QUANT>(acc, rows, lane, nt, expert, cur.split, g, cur.scale, sc, stage,
@@ -669,7 +669,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
         }
         if ((sm90_staged_out<KIND>() && threadIdx.x % 128 == 0) ||
-            (sm90_y_boxes<KIND, QUANT>(g) && lane == 0))
+            (sm90_y_boxes<Shape, KIND, QUANT>(g) && lane == 0))
             bulk_wait_all<0>(); /* the boxes live in this CTA's shared memory */
     }
     if (CM > 1)
@@ -742,7 +742,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     if (m_tiles * n_tiles * g.k_splits > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
                               (long long)n_tiles);
-    const bool boxes = sm90_y_boxes<KIND, QUANT>(g);
+    const bool boxes = sm90_y_boxes<Shape, KIND, QUANT>(g);
     if (g.k_splits < 1 || (g.k_splits > 1 && (!sm90_takes_slices<Shape, KIND, QUANT>() || boxes || !g.split_count ||
                                                g.k_splits > kSm90DownMaxSplits)))
         return mx_status_fail(MX_ERR_VALUE,
