@@ -125,9 +125,9 @@ typedef mx_sm90_shape<256, 4, 1, 8> mx_tile_sm90;
  * pair runs in lockstep). */
 typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
 /* Ping-pong units of 64 rows x 256 (mx_sm90_shape PING_PONG) at a few tens
- * of rows per expert, with short K or many experts (mx_sm90_ping_pong): the 128-row tiles
- * there are mostly padding, and the cooperative tile's epilogue leaves the
- * ring idle. 5 stages of 40 KB (221 KB with the warps' staging; the
+ * of rows per expert, with short K or many experts (mx_sm90_ping_pong): the
+ * 128-row tiles there are mostly padding, and the cooperative tile's
+ * epilogue leaves the ring idle. 5 stages of 40 KB (221 KB with the warps' staging; the
  * interleaved kind's 32 KB of boxes do not fit, so it keeps mx_tile_sm90). */
 typedef mx_sm90_shape<256, 5, 1, 8, true> mx_tile_sm90_pp;
 /* FP8 with 128x128 block scales where 128x256 tiles cannot or should not

@@ -191,11 +191,19 @@ constexpr int64_t kFp8Sm90MinRowsPerExpert = 64;
  * 3327.4 -> 2725.5 us (-18.1%) and fp8_tensor 2913.4 -> 2651.8 (-9.0%)
  * against the decode kernel's 48-token tiles; at 16 rows (M = 512)
  * fp8_block 2563.2 -> 2293.5 (-10.5%), fp8_tensor 2361.3 -> 2231.1 (-5.5%);
- * qwen3moe fp8_block M = 256 / 512 (16 / 32 rows) -4.3 / -7.4%, M = 1024
+ * qwen3moe fp8_block M = 256 / 512 (16 / 32 rows) -4.2 / -7.4%, M = 1024
  * (64 rows, against the 128x256 tiles) -2.7%. With block scales up to 255
  * rows DeepSeek-V3 M = 4096 (128 rows) lost 10.6%, so 128 bounds both. */
 constexpr int64_t kFp8Sm90PingPongMinRowsPerExpert = 16;
 constexpr int64_t kFp8Sm90PingPongMaxRowsPerExpert = 128;
+
+/* Block scales on a 256-wide GEMM1 tile or unit: each 128-row weight box
+ * lies in one 128-row scale block, which only the gated kind's up box can
+ * miss (I % 128 != 0). */
+static inline bool mx_fp8_sm90_block_wide_gemm1(bool gated, int64_t out_cols)
+{
+    return !gated || out_cols % 128 == 0;
+}
 
 static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts, int64_t hidden, int64_t inter,
                                             int block_scales, int gated, int interleaved)
@@ -205,7 +213,7 @@ static inline int mx_fp8_select_sm90_config(int64_t rows, int64_t local_experts,
         return -1;
     const int64_t min_rows = block_scales || !mx_sm90_short_k(hidden, inter) ? kFp8Sm90PingPongMinRowsPerExpert
                                                                              : kSm90PingPongMinRowsPerExpert;
-    if ((!block_scales || !gated || inter % 128 == 0) &&
+    if ((!block_scales || mx_fp8_sm90_block_wide_gemm1(gated, inter)) &&
         mx_sm90_ping_pong(rows, e, min_rows, kFp8Sm90PingPongMaxRowsPerExpert, hidden, inter, interleaved))
         return MX_FP8_TILE_SM90_PP;
     if (rows < kFp8Sm90MinRowsPerExpert * e)
@@ -253,11 +261,6 @@ static inline bool mx_fp8_sm90_gemm1_a_by_token(int64_t pairs, int64_t local_exp
  * / 4096 / 16384 -6.2 / -10.2 / -12.3%, qwen3moe M = 4096 / 16384 -3.7 /
  * -4.9%, gpt-oss -2.8 / -1.5%, qwen3moe M = 1024 +0.8%. */
 constexpr int64_t kFp8Sm90BlockWideDownRowsPerExpert = 512;
-/* the GEMM1 half of the rule: only the gated kind's up box can straddle */
-static inline bool mx_fp8_sm90_block_wide_gemm1(bool gated, int64_t out_cols)
-{
-    return !gated || out_cols % 128 == 0;
-}
 static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_cols, int64_t pairs,
                                           int64_t local_experts)
 {
