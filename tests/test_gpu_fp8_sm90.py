@@ -256,10 +256,10 @@ def test_fp8_persistent_expert_parallel(method, m, x_offset, gen):
     """Expert parallel on the persistent kernel: from 128 rows per local expert (100 and 300
     tokens) the x quantizer writes each token's row to the sorted rows of its local pairs
     (moe_align's pair_rows), so the pairs of other ranks' experts must get none; at 32 tokens
-    (64 rows) GEMM1 reads x_q by token, rows of tokens without a local expert unwritten. 4 of 64
-    experts local, top-8: the rules count all M k pairs per local expert, while only about an
-    eighth of the tokens have a local expert."""
-    e, k, h, i = 64, 8, 272, 192
+    (64 rows: ping-pong units, with either scales as I = 256) GEMM1 reads x_q by token, rows of
+    tokens without a local expert unwritten. 4 of 64 experts local, top-8: the rules count all
+    M k pairs per local expert, while only about an eighth of the tokens have a local expert."""
+    e, k, h, i = 64, 8, 272, 256
     model, layer = fp8_model("qwen", method, "cuda", e=e, k=k, h=h, i=i, ep_size=16, ep_rank=5)
     ckpt, _ = checkpoint(gen, "qwen", e=e, h=h, i=i, dtype=torch.bfloat16)
     vllm_load(model, ckpt, "qwen", num_experts=e)
