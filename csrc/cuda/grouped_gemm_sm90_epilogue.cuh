@@ -258,19 +258,24 @@ template <int KIND> constexpr bool sm90_staged_out() { return KIND == MX_GEMM_GA
 
 /* The other kinds' outputs leave through each math warp's own shared
  * memory (sm90_store_down_staged, sm90_store_act), whole 128-byte lines
- * per store instruction, except in the block-scale kernels, which store
- * from the fragments: staged, their forwards were 0.9% slower (DeepSeek-V3
- * fp8_block M = 4096 5820 -> 5872 us; the shared memory taken from L1,
- * where the promotion reads its scales every k block). Staged against
+ * per store instruction, except in the block-scale kernels on the
+ * cooperative tiles, which store from the fragments: staged, their
+ * forwards were 0.9% slower (DeepSeek-V3 fp8_block M = 4096 5820 -> 5872
+ * us; the shared memory taken from L1, where the promotion reads its
+ * scales every k block). On ping-pong units (whose GEMM2 has no y boxes)
+ * the block-scale kernels stage too: qwen3moe fp8_block M = 256 / 512 /
+ * 1024 -0.9 / -1.0 / -0.6%, DeepSeek-V3 M = 512 / 1024 -1.0 / -1.6% (H100,
+ * 2026-11-27, two rounds, logs/2026-11-27-nvidia-h100-ab-ping-pong-follow-ups.txt;
+ * the units' GEMM2 also lost its 20 bytes of spills). Staged against
  * direct, forwards on an H200 (2026-11-26, three rounds each,
  * logs/2026-11-26-nvidia-h200-ab-warp-staged-stores.txt, with the
  * per-tensor pairs below): qwen3moe bf16 / fp8_tensor M = 16384 -2.3 /
  * -3.2% (GEMM2 -6..-9%), Mixtral fp8_tensor M = 16384 -2.1%, DeepSeek-V3
  * fp8_tensor M = 4096 -2.8%, gpt-oss bf16 M = 4096 / 16384 -2.3%, Mixtral
  * bf16 within 1%, qwen3moe M = 1024 within 0.5%. */
-template <int KIND, int QUANT> constexpr bool sm90_warp_staged()
+template <typename Shape, int KIND, int QUANT> constexpr bool sm90_warp_staged()
 {
-    return !sm90_staged_out<KIND>() && QUANT != MX_QUANT_FP8_BLOCK;
+    return !sm90_staged_out<KIND>() && (QUANT != MX_QUANT_FP8_BLOCK || Shape::kPingPong);
 }
 
 /* GEMM2 with block scales on the cooperative tiles stores y by sorted row
@@ -293,7 +298,7 @@ __host__ __device__ __forceinline__ bool sm90_y_boxes(const mx_gemm_args &g)
 template <typename Shape, int KIND, int QUANT> constexpr uint32_t sm90_out_bytes()
 {
     return sm90_staged_out<KIND>()            ? Shape::kOutBytes
-           : sm90_warp_staged<KIND, QUANT>() ? Shape::kMathWarps * Shape::kWarpStageBytes
+           : sm90_warp_staged<Shape, KIND, QUANT>() ? Shape::kMathWarps * Shape::kWarpStageBytes
            : sm90_down_boxes<Shape, KIND, QUANT>() ? Shape::kMathWarps * Shape::kDownStageBytes
                                              : 0;
 }
@@ -549,7 +554,7 @@ __device__ __forceinline__ void sm90_epilogue(const float (&acc)[Shape::kBlockN 
 {
     constexpr bool kAmax = QUANT == MX_QUANT_FP8_TENSOR && KIND != MX_GEMM_DOWN;
     float amax = 0.0f;
-    constexpr bool kWarpStaged = sm90_warp_staged<KIND, QUANT>();
+    constexpr bool kWarpStaged = sm90_warp_staged<Shape, KIND, QUANT>();
     if constexpr (sm90_quantizes_act<Shape, KIND, QUANT>()) {
         if (g.activation == MX_ACT_GELU)
             sm90_store_act_q<T, Shape, MX_ACT_GELU>(acc, rows, lane, nt, expert, g, sc, scales);
