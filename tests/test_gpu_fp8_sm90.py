@@ -336,11 +336,14 @@ def test_fp8_decode_paired_loads(method, gen):
         assert any(DECODE_FP8 in n and "mx_sm90_decode_shape<16, 6, true>, 0," in n for n in names), names
 
 
-@pytest.mark.parametrize("m", [4, 512])  # decode kernel, persistent kernel
+# decode kernel, persistent kernel (swigluoai + bias: 128-row tiles), ping-pong units (silu, I =
+# 256: with either scales, 32 rows per expert)
+@pytest.mark.parametrize("m, cfg, i", [(4, CONFIGS[2], 192), (512, CONFIGS[2], 192), (96, CONFIGS[0], 256)],
+                         ids=["decode", "persistent", "ping-pong"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_fp8_graph_replay(method, m, gen):
-    e, k, h, i = 6, 2, 256, 192
-    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, CONFIGS[2])  # swigluoai + bias
+def test_fp8_graph_replay(method, m, cfg, i, gen):
+    e, k, h = 6, 2, 256
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, cfg)
     static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     static_logits = randn(gen, m, e, device="cuda", scale=2.0)
     graph, static_out = capture_forward(layer, static_x, static_logits, warmup=2)
@@ -348,7 +351,10 @@ def test_fp8_graph_replay(method, m, gen):
         x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda", scale=scale)
         logits = randn(gen, m, e, device="cuda", scale=2.0)
         replay(graph, static_x, static_logits, x, logits)
-        compare_tensor(layer, static_out, x, logits, CONFIGS[2], f"fp8 {method} graph replay M={m}")
+        compare_tensor(layer, static_out, x, logits, cfg, f"fp8 {method} {cfg[0]} graph replay M={m}")
+    if on_hopper() and m == 96:
+        names = kernels_of(lambda: layer(static_x, static_logits))
+        check_persistent_shapes(names, ping_pong_units(method, cfg, m * k / e, h, i, e))
 
 
 @pytest.mark.parametrize("rows", [1, 19, 300])  # 16-row tiles, several of them, 64-row tiles
