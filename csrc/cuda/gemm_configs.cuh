@@ -518,16 +518,21 @@ constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
 /* Ping-pong 64-row units (mx_tile_sm90_pp) from min_rows rows per expert
  * (kSm90PingPongMinRowsPerExpert; FP8 from fewer, gemm_configs_fp8.cuh)
- * to under max_rows (16-bit kSm90PingPongMaxRowsPerExpert; per-tensor FP8
+ * to under max_rows (16-bit kSm90PingPongMaxRowsPerExpert; FP8
  * kFp8Sm90PingPongMaxRowsPerExpert, gemm_configs_fp8.cuh, which has the
  * measurements), where both GEMMs' K is at most kSm90PingPongMaxK or there
  * are kSm90PingPongLongKMinExperts local experts or more, not for the
- * interleaved GEMM1 (its staging boxes do not fit beside that ring).
+ * interleaved GEMM1: its staging boxes do not fit beside that ring, and
+ * with its act stored from the fragments instead it lost (gpt-oss bf16
+ * M = 1024 +2.5%, fp8_block +2.4%; H100, 2026-11-27,
+ * logs/2026-11-27-nvidia-h100-ab-ping-pong-follow-ups.txt).
  * 16-bit against the decode kernel's 48-token tiles (H200, 2026-11-27, two
  * rounds): qwen3moe bf16 M = 512 (32 rows per expert) 351.7 -> 340.3 us
  * (-3.2%); against the 128-row tiles at 64 rows (M = 1024) +1.9% (GEMM1
- * 216 -> 229 us) and Mixtral bf16 M = 256 (K 4096 / 14336) +6.5%; at 16
- * rows (M = 256) even with the decode kernel (FP8). Long K lost at
+ * 216 -> 229 us) and Mixtral bf16 M = 256 (K 4096 / 14336) +6.5%; from 16
+ * rows qwen3moe bf16 M = 256 +2.5% and gpt-oss M = 512 (its interleaved
+ * GEMM1 on units too) +3.0% against the 32-token tiles (H100, same log).
+ * Long K lost at
  * Mixtral's 8 experts because its few long units ran in serial rounds
  * (gemm_configs_fp8.cuh); with 256 experts there are thousands of units:
  * DeepSeek-V3 (K 7168 / 2048) at 32 rows per expert (M = 1024), H200,
