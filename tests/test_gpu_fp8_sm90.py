@@ -136,6 +136,24 @@ def test_fp8_ping_pong_units(method, cfg, gen):
         check_persistent_shapes(names, ping_pong)
 
 
+SILU_BIAS = ("silu-bias", dict(activation="silu", has_bias=True), True, True, False)
+
+
+@pytest.mark.parametrize("rows_per_expert", [40, 150])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_persistent_gated_bias(method, rows_per_expert, gen):
+    """w13 / w2 biases with the plain gated GEMM1 (silu; the other bias configs are interleaved):
+    ~40 rows per expert run ping-pong units (the gate and up biases added in the act epilogue,
+    with block scales before act is quantized there; w2's bias in GEMM2's staged stores), ~150 the
+    128-row tiles. 16 experts, H = 400, I = 256."""
+    e, k, h, i = 16, 4, 400, 256
+    layer = loaded(gen, "qwen", method, torch.bfloat16, e, k, h, i, SILU_BIAS)
+    m = rows_per_expert * e // k
+    names = checked_forward(gen, layer, m, e, f"fp8 {method} silu + bias M={m}", cfg=SILU_BIAS)
+    if on_hopper():
+        check_persistent_shapes(names, ping_pong_units(method, SILU_BIAS, rows_per_expert, h, i, e))
+
+
 @pytest.mark.parametrize("rows_per_expert", [20, 40])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_ping_pong_units_long_k(method, rows_per_expert, gen):

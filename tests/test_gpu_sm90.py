@@ -177,6 +177,21 @@ def test_ping_pong_units(cfg, dtype, e, h, gen):
             assert not units, names
 
 
+@pytest.mark.parametrize("rows_per_expert", [40, 100])
+def test_persistent_gated_bias(rows_per_expert, gen):
+    """w13 / w2 biases with the plain gated GEMM1 (silu; the other bias config is interleaved): ~40
+    rows per expert run ping-pong units, ~100 the 128-row tiles (the gate and up biases added in
+    the act epilogue, w2's in GEMM2's staged stores). 48 experts, H = 776, I = 520."""
+    e, k = 48, 4
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(activation="silu", has_bias=True, top_k=k), False,
+                                    h=776, i=520)
+    names = checked_forward(gen, torch.bfloat16, layer, reference, rows_per_expert * e // k, e)
+    if on_hopper():
+        units = [n for n in names if PERSISTENT_KERNEL in n]
+        assert len(units) == 2 and all((PING_PONG_SHAPE in n) == ping_pong_units(rows_per_expert, 776, 520, e)
+                                       for n in units), names
+
+
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
 def test_prefill_cluster_pairs(cfg, gen):
     """From 1024 rows per local expert (gemm_configs.cuh kSm90PairMinRowsPerExpert) the 16-bit
