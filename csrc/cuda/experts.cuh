@@ -71,8 +71,8 @@ typedef struct mx_gemm_args {
     int64_t pairs;                /* GEMM kinds: the (token, slot) pairs of the tile table, 0 if unknown
                                      (a launch-shape hint of the Hopper decode kernel) */
     int y_by_sorted_row;          /* GEMM2 of the persistent Hopper kernel with block scales: out is y
-                                     [rows, ldo] by sorted row (gemm_configs.cuh
-                                     mx_sm90_down_by_sorted_row), else by pair */
+                                     [rows, ldo] by sorted row (gemm_configs_fp8.cuh
+                                     mx_fp8_sm90_down_by_sorted_row), else by pair */
     int32_t *split_count;         /* GEMM2 of the persistent Hopper kernel with k_splits > 1: k_splits is
                                      the most slices, the kernel picks the count on the device
                                      (gemm_configs.cuh mx_sm90_down_split; exactly k_splits with

@@ -61,8 +61,8 @@
  *   act_q            fp8 [rows_max, ld_aq]        ld_aq = I rounded up to 16
  *   act_scale        f32 [rows_max, I/128]        BLOCK
  *   y                f32 [down_splits, y_rows, H]     y_rows = M k (by pair), rows_max
- *                                                 where GEMM2 writes by sorted row (128-row
- *                                                 tiles, gemm_configs.cuh mx_sm90_down_by_sorted_row);
+ *                                                 where GEMM2 writes by sorted row
+ *                                                 (gemm_configs_fp8.cuh mx_fp8_sm90_down_by_sorted_row);
  *                                                 the persistent Hopper GEMM2 picks up to down_splits
  *   split_count      int32 [1]                    that pick (only then)
  * The workspace is sized for the larger of the shape-selected tile config
@@ -145,7 +145,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
         mx_sm90_down_splits_setting(&plan->down_splits, &plan->split_exact, (k_blocks + 1) & ~1, 2);
     }
     plan->a_sorted = persistent && !mx_fp8_sm90_gemm1_a_by_token(plan->pairs, local);
-    plan->y_sorted = tile_config == MX_FP8_TILE_SM90 && mx_sm90_down_by_sorted_row(p->quant, I);
+    plan->y_sorted = mx_fp8_sm90_down_by_sorted_row(tile_config, p->quant, I);
     plan->y_rows = plan->y_sorted ? plan->rows_max : plan->pairs;
     size_t at = 0;
     plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(plan->pairs, local));

@@ -140,25 +140,6 @@ typedef mx_sm90_shape<256, 5, 1, 8, true> mx_tile_sm90_pp;
  * not faster: -4..+12% per GEMM (H100, 2026-11-25). */
 typedef mx_sm90_shape<128, 6, 1, 8> mx_tile_sm90_n128;
 
-/* Where the persistent kernel's GEMM2 with block scales puts y: by sorted
- * row, y [rows_max, H], each math warp's 16 rows x 32 columns leaving by
- * one TMA store from shared memory while the warp goes on (moe_sum finds a
- * pair's row through moe_align's pair_rows), where its K (I) is at most
- * kSm90DownBoxesMaxK; else by pair, y [M k, H], stored from the fragments.
- * H100, 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-y-by-sorted-row.txt,
- * three rounds): qwen3moe fp8_block (I = 768) -3.7% at M = 4096 and 16384,
- * DeepSeek-V3 (2048) -1.1% at 16384, gpt-oss (2880) -1.7% at 16384;
- * Mixtral (14336) +2.6 / +4.6% (its long mainloop keeps little epilogue
- * to hide, and the 32 KB of boxes come out of the L1 the promotion reads
- * its scales from). The 16-bit and per-tensor GEMM2s, whose warp-staged
- * stores already write whole lines, gained nothing that way (within 0.5%,
- * gpt-oss M = 4096 +2..+4%), so they keep y by pair. */
-constexpr int64_t kSm90DownBoxesMaxK = 4096;
-static inline bool mx_sm90_down_by_sorted_row(int quant, int64_t k)
-{
-    return quant == MX_QUANT_FP8_BLOCK && k <= kSm90DownBoxesMaxK;
-}
-
 /* Split-K of the persistent kernel's GEMM2 (grouped_gemm_sm90_impl.cuh).
  * Its units (m unit, n tile) go to a fixed grid of one CTA per SM, so a
  * GEMM2 of few long units runs in whole rounds: Mixtral at M = 512 has ~12

@@ -269,6 +269,27 @@ static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_col
     return mx_fp8_sm90_block_wide_gemm1(gated, out_cols);
 }
 
+/* Where the persistent kernel's GEMM2 with block scales puts y: on the
+ * 128-row tiles (not the ping-pong units, which have no room for the
+ * boxes: grouped_gemm_sm90_epilogue.cuh sm90_down_boxes) by sorted row,
+ * y [rows_max, H], each math warp's 16 rows x 32 columns leaving by one
+ * TMA store from shared memory while the warp goes on (moe_sum finds a
+ * pair's row through moe_align's pair_rows), where its K (I) is at most
+ * kSm90DownBoxesMaxK; else by pair, y [M k, H], stored from the fragments.
+ * H100, 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-y-by-sorted-row.txt,
+ * three rounds): qwen3moe fp8_block (I = 768) -3.7% at M = 4096 and 16384,
+ * DeepSeek-V3 (2048) -1.1% at 16384, gpt-oss (2880) -1.7% at 16384;
+ * Mixtral (14336) +2.6 / +4.6% (its long mainloop keeps little epilogue
+ * to hide, and the 32 KB of boxes come out of the L1 the promotion reads
+ * its scales from). The 16-bit and per-tensor GEMM2s, whose warp-staged
+ * stores already write whole lines, gained nothing that way (within 0.5%,
+ * gpt-oss M = 4096 +2..+4%), so they keep y by pair. */
+constexpr int64_t kSm90DownBoxesMaxK = 4096;
+static inline bool mx_fp8_sm90_down_by_sorted_row(int config, int quant, int64_t k)
+{
+    return config == MX_FP8_TILE_SM90 && quant == MX_QUANT_FP8_BLOCK && k <= kSm90DownBoxesMaxK;
+}
+
 /* Whether the block-scale GEMM1 of `config` quantizes act in its epilogue
  * (no act group quantizer launch): the Hopper decode kernel's small tiles
  * (mx_tile_sm90_decode_quantizes_act) and the persistent kernel's gated

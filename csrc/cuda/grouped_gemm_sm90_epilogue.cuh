@@ -182,8 +182,8 @@ __device__ __forceinline__ void sm90_store_down_staged(const float (&acc)[Shape:
     __syncwarp(); /* the bias pairs are read before the next tile writes them */
 }
 
-/* GEMM2 by sorted row (block scales, gemm_configs.cuh
- * mx_sm90_down_by_sorted_row): y[s, col] = (acc * sc + w2_bias[col]) *
+/* GEMM2 by sorted row (block scales, gemm_configs_fp8.cuh
+ * mx_fp8_sm90_down_by_sorted_row): y[s, col] = (acc * sc + w2_bias[col]) *
  * routing weight, float32, for the warp's 16 sorted rows from row0, 32
  * columns at a time: each thread puts its pairs of rows lo and hi into one
  * of the warp's two boxes (16 rows x 128 bytes, 128B-swizzled as the y map

@@ -4,7 +4,7 @@
  * multiplied by the routing weight (splits > 1 when GEMM2 ran split-K, each
  * slice a partial sum over K); a pair's row is its index (y [splits, M k,
  * H]), or, where GEMM2 wrote y by sorted row (the persistent Hopper kernel
- * with block scales, gemm_configs.cuh mx_sm90_down_by_sorted_row),
+ * with block scales, gemm_configs_fp8.cuh mx_fp8_sm90_down_by_sorted_row),
  * pair_rows[pair] (moe_align). The slice count is `splits`, or
  * *split_count where the persistent GEMM2 picked it on the device.
  * out [M, H] in the activation dtype. Slots whose id has no local expert
