@@ -5,7 +5,10 @@
  * k blocks (128 bytes of K) per stage, stages, CTAs per SM and the tensor
  * map's L2 promotion; then small grids of back-to-back launches (the time
  * a grid of a few hundred tiles takes, ramp and tail included). A plain
- * LDG.128 stream and cudaMemset give the ceilings of the same run. Not
+ * LDG.128 stream and cudaMemset give the ceilings of the same run. The
+ * "packed" lines read the same bytes as a tile-contiguous layout (each
+ * stage's box one contiguous piece: weights repacked at load time) for
+ * the decode kernel's GEMM1 rings. Not
  * part of the package or its tests; build and run on an sm_90a GPU:
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
  *        -I csrc/include -I csrc/cuda -o /tmp/tma_stream_probe benchmarks/tma_stream_probe.cu
@@ -44,6 +47,42 @@ __global__ void __launch_bounds__(128) tma_stream(const __grid_constant__ CUtens
         for (int g = 0; g < ROWS / BOXR; ++g)
             for (int c = 0; c < KCH; ++c)
                 tma_load_2d(dst + (c * ROWS + g * BOXR) * 128, &map, bar, (ks * KCH + c) * 64, r0 + g * BOXR);
+    };
+    for (int s = 0; s < STAGES && s < k_stages; ++s)
+        issue(s, s);
+    for (int ks = 0; ks < k_stages; ++ks) {
+        const int s = ks % STAGES;
+        mbar_wait(mx_smem_addr(&bars[s]), static_cast<uint32_t>(ks / STAGES) & 1u);
+        if (ks + STAGES < k_stages)
+            issue(ks + STAGES, s);
+    }
+    if (blockIdx.x == 0)
+        sink[0] = 1;
+}
+
+/* The same ring over a tile-contiguous layout: tile t's k blocks stored one
+ * after another, each as its ROWS rows of 128 bytes, so that a stage is
+ * ROWS * KCH * 128 contiguous bytes (a weight layout repacked at load time;
+ * the map sees the buffer as rows of 128 bytes). */
+template <int ROWS, int BOXR, int KCH, int STAGES>
+__global__ void __launch_bounds__(128) tma_stream_packed(const __grid_constant__ CUtensorMap map, int k, int *sink)
+{
+    extern __shared__ __align__(1024) unsigned char ring[];
+    __shared__ __align__(8) uint64_t bars[STAGES];
+    constexpr uint32_t STAGE = ROWS * KCH * 128;
+    const uint32_t base = (mx_smem_addr(ring) + 1023u) & ~1023u;
+    const int k_stages = k / (64 * KCH);
+    if (threadIdx.x != 0)
+        return;
+    for (int s = 0; s < STAGES; ++s)
+        mbar_init(mx_smem_addr(&bars[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const int r0 = blockIdx.x * k_stages * ROWS * KCH; /* the tile's first 128-byte row */
+    auto issue = [&](int ks, int s) {
+        const uint32_t dst = base + s * STAGE, bar = mx_smem_addr(&bars[s]);
+        mbar_arrive_expect_tx(bar, STAGE);
+        for (int g = 0; g < ROWS * KCH / BOXR; ++g)
+            tma_load_2d(dst + g * BOXR * 128, &map, bar, 0, r0 + (ks * KCH * ROWS) + g * BOXR);
     };
     for (int s = 0; s < STAGES && s < k_stages; ++s)
         issue(s, s);
@@ -132,6 +171,23 @@ static void probe(const char *name, void *p, long long rows, int k, int ctas_per
            promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", tiles, per_sm, tbs);
 }
 
+/* The tile-contiguous layout (tma_stream_packed) over the same bytes. */
+template <int ROWS, int BOXR, int KCH, int STAGES>
+static void probe_packed(const char *name, void *p, long long rows, int k, int ctas_per_sm, int *sink,
+                         CUtensorMapL2promotion promotion)
+{
+    auto kernel = tma_stream_packed<ROWS, BOXR, KCH, STAGES>;
+    const int smem = std::min(233472 / ctas_per_sm - 2048, 227 * 1024 - 2048);
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const CUtensorMap map = rows_map(p, rows * k / 64, 64, BOXR, promotion);
+    const int tiles = (int)(rows / ROWS);
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
+    const double tbs = rate([&] { kernel<<<tiles, 128, smem>>>(map, k, sink); }, (double)rows * k * 2);
+    printf("packed %-33s K=%5d promotion %s tiles %6d  %d/SM  %.3f TB/s\n", name, k,
+           promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", tiles, per_sm, tbs);
+}
+
 /* Small grids: `ctas` CTAs of one tile each, passes of 30 launches back to
  * back, each over its own slice of the buffer (no L2 reuse between
  * launches); microseconds per launch. */
@@ -187,6 +243,18 @@ int main()
         probe<128, 64, 2, 3>("128 rows, 2 k blocks x 3 stages", p, rows, k, 2, sink, p128);
         probe<64, 64, 2, 4>("64 rows, 2 k blocks x 4 stages", p, rows, k, 3, sink, p128);
         probe<32, 32, 4, 4>("32 rows, 4 k blocks x 4 stages", p, rows, k, 3, sink, p128);
+    }
+    for (int k : {768, 2048, 4096, 14336}) {
+        long long rows = bytes / (k * 2);
+        rows -= rows % 256;
+        probe<128, 64, 1, 3>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p256);
+        probe_packed<128, 64, 1, 3>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p256);
+        probe_packed<128, 64, 1, 3>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p128);
+        probe_packed<128, 128, 1, 3>("128 rows, 1 k block x 3 stages, 1 box", p, rows, k, 3, sink, p256);
+        probe_packed<128, 64, 1, 4>("128 rows, 1 k block x 4 stages", p, rows, k, 3, sink, p256);
+        probe_packed<128, 64, 1, 4>("128 rows, 1 k block x 4 stages", p, rows, k, 3, sink, p128);
+        probe_packed<128, 64, 1, 6>("128 rows, 1 k block x 6 stages", p, rows, k, 2, sink, p256);
+        probe_packed<128, 64, 1, 2>("128 rows, 1 k block x 2 stages", p, rows, k, 3, sink, p256);
     }
     /* qwen3moe's GEMM1 at M = 1 is 96 tiles of 128 rows x 2048 (50 MB) */
     for (int ctas : {96, 132, 192, 264, 396, 792}) {
