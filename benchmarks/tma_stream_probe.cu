@@ -26,8 +26,11 @@
 
 /* A CTA per tile of ROWS rows x K; a stage: ROWS rows x KCH k blocks, as
  * ROWS / BOXR x KCH boxes, a row group's k blocks issued together. Thread 0
- * refills a slot as soon as its bytes have landed. */
-template <int ROWS, int BOXR, int KCH, int STAGES>
+ * refills a slot as soon as its bytes have landed. PACKED: the same bytes
+ * as a tile-contiguous layout (tile t's k blocks one after another, each
+ * its ROWS rows of 128 bytes, so a stage is one contiguous piece: weights
+ * repacked at load time); the map then sees rows of 128 bytes. */
+template <int ROWS, int BOXR, int KCH, int STAGES, bool PACKED = false>
 __global__ void __launch_bounds__(128) tma_stream(const __grid_constant__ CUtensorMap map, int k, int *sink)
 {
     extern __shared__ __align__(1024) unsigned char ring[];
@@ -40,49 +43,17 @@ __global__ void __launch_bounds__(128) tma_stream(const __grid_constant__ CUtens
     for (int s = 0; s < STAGES; ++s)
         mbar_init(mx_smem_addr(&bars[s]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    const int r0 = blockIdx.x * ROWS;
+    const int r0 = blockIdx.x * (PACKED ? k_stages * KCH : 1) * ROWS;
     auto issue = [&](int ks, int s) {
         const uint32_t dst = base + s * STAGE, bar = mx_smem_addr(&bars[s]);
         mbar_arrive_expect_tx(bar, STAGE);
         for (int g = 0; g < ROWS / BOXR; ++g)
-            for (int c = 0; c < KCH; ++c)
-                tma_load_2d(dst + (c * ROWS + g * BOXR) * 128, &map, bar, (ks * KCH + c) * 64, r0 + g * BOXR);
-    };
-    for (int s = 0; s < STAGES && s < k_stages; ++s)
-        issue(s, s);
-    for (int ks = 0; ks < k_stages; ++ks) {
-        const int s = ks % STAGES;
-        mbar_wait(mx_smem_addr(&bars[s]), static_cast<uint32_t>(ks / STAGES) & 1u);
-        if (ks + STAGES < k_stages)
-            issue(ks + STAGES, s);
-    }
-    if (blockIdx.x == 0)
-        sink[0] = 1;
-}
-
-/* The same ring over a tile-contiguous layout: tile t's k blocks stored one
- * after another, each as its ROWS rows of 128 bytes, so that a stage is
- * ROWS * KCH * 128 contiguous bytes (a weight layout repacked at load time;
- * the map sees the buffer as rows of 128 bytes). */
-template <int ROWS, int BOXR, int KCH, int STAGES>
-__global__ void __launch_bounds__(128) tma_stream_packed(const __grid_constant__ CUtensorMap map, int k, int *sink)
-{
-    extern __shared__ __align__(1024) unsigned char ring[];
-    __shared__ __align__(8) uint64_t bars[STAGES];
-    constexpr uint32_t STAGE = ROWS * KCH * 128;
-    const uint32_t base = (mx_smem_addr(ring) + 1023u) & ~1023u;
-    const int k_stages = k / (64 * KCH);
-    if (threadIdx.x != 0)
-        return;
-    for (int s = 0; s < STAGES; ++s)
-        mbar_init(mx_smem_addr(&bars[s]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    const int r0 = blockIdx.x * k_stages * ROWS * KCH; /* the tile's first 128-byte row */
-    auto issue = [&](int ks, int s) {
-        const uint32_t dst = base + s * STAGE, bar = mx_smem_addr(&bars[s]);
-        mbar_arrive_expect_tx(bar, STAGE);
-        for (int g = 0; g < ROWS * KCH / BOXR; ++g)
-            tma_load_2d(dst + g * BOXR * 128, &map, bar, 0, r0 + (ks * KCH * ROWS) + g * BOXR);
+            for (int c = 0; c < KCH; ++c) {
+                if (PACKED)
+                    tma_load_2d(dst + (c * ROWS + g * BOXR) * 128, &map, bar, 0, r0 + (ks * KCH + c) * ROWS + g * BOXR);
+                else
+                    tma_load_2d(dst + (c * ROWS + g * BOXR) * 128, &map, bar, (ks * KCH + c) * 64, r0 + g * BOXR);
+            }
     };
     for (int s = 0; s < STAGES && s < k_stages; ++s)
         issue(s, s);
@@ -150,11 +121,11 @@ static double rate(const std::function<void()> &pass, double bytes)
     return bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
 }
 
-template <int ROWS, int BOXR, int KCH, int STAGES>
+template <int ROWS, int BOXR, int KCH, int STAGES, bool PACKED = false>
 static void probe(const char *name, void *p, long long rows, int k, int ctas_per_sm, int *sink,
                   CUtensorMapL2promotion promotion)
 {
-    auto kernel = tma_stream<ROWS, BOXR, KCH, STAGES>;
+    auto kernel = tma_stream<ROWS, BOXR, KCH, STAGES, PACKED>;
     const int smem = std::min(233472 / ctas_per_sm - 2048, 227 * 1024 - 2048); /* holds the SM to ctas_per_sm */
     const int need = STAGES * ROWS * KCH * 128 + 1024;
     if (need > smem) {
@@ -162,29 +133,12 @@ static void probe(const char *name, void *p, long long rows, int k, int ctas_per
         return;
     }
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const CUtensorMap map = rows_map(p, rows, k, BOXR, promotion);
+    const CUtensorMap map = PACKED ? rows_map(p, rows * k / 64, 64, BOXR, promotion) : rows_map(p, rows, k, BOXR, promotion);
     const int tiles = (int)(rows / ROWS);
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
     const double tbs = rate([&] { kernel<<<tiles, 128, smem>>>(map, k, sink); }, (double)rows * k * 2);
-    printf("%-40s K=%5d promotion %s tiles %6d  %d/SM  %.3f TB/s\n", name, k,
-           promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", tiles, per_sm, tbs);
-}
-
-/* The tile-contiguous layout (tma_stream_packed) over the same bytes. */
-template <int ROWS, int BOXR, int KCH, int STAGES>
-static void probe_packed(const char *name, void *p, long long rows, int k, int ctas_per_sm, int *sink,
-                         CUtensorMapL2promotion promotion)
-{
-    auto kernel = tma_stream_packed<ROWS, BOXR, KCH, STAGES>;
-    const int smem = std::min(233472 / ctas_per_sm - 2048, 227 * 1024 - 2048);
-    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const CUtensorMap map = rows_map(p, rows * k / 64, 64, BOXR, promotion);
-    const int tiles = (int)(rows / ROWS);
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
-    const double tbs = rate([&] { kernel<<<tiles, 128, smem>>>(map, k, sink); }, (double)rows * k * 2);
-    printf("packed %-33s K=%5d promotion %s tiles %6d  %d/SM  %.3f TB/s\n", name, k,
+    printf("%s%-*s K=%5d promotion %s tiles %6d  %d/SM  %.3f TB/s\n", PACKED ? "packed " : "", PACKED ? 33 : 40, name, k,
            promotion == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? "128B" : "256B", tiles, per_sm, tbs);
 }
 
@@ -248,13 +202,13 @@ int main()
         long long rows = bytes / (k * 2);
         rows -= rows % 256;
         probe<128, 64, 1, 3>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p256);
-        probe_packed<128, 64, 1, 3>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p256);
-        probe_packed<128, 64, 1, 3>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p128);
-        probe_packed<128, 128, 1, 3>("128 rows, 1 k block x 3 stages, 1 box", p, rows, k, 3, sink, p256);
-        probe_packed<128, 64, 1, 4>("128 rows, 1 k block x 4 stages", p, rows, k, 3, sink, p256);
-        probe_packed<128, 64, 1, 4>("128 rows, 1 k block x 4 stages", p, rows, k, 3, sink, p128);
-        probe_packed<128, 64, 1, 6>("128 rows, 1 k block x 6 stages", p, rows, k, 2, sink, p256);
-        probe_packed<128, 64, 1, 2>("128 rows, 1 k block x 2 stages", p, rows, k, 3, sink, p256);
+        probe<128, 64, 1, 3, true>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p256);
+        probe<128, 64, 1, 3, true>("128 rows, 1 k block x 3 stages", p, rows, k, 3, sink, p128);
+        probe<128, 128, 1, 3, true>("128 rows, 1 k block x 3 stages, 1 box", p, rows, k, 3, sink, p256);
+        probe<128, 64, 1, 4, true>("128 rows, 1 k block x 4 stages", p, rows, k, 3, sink, p256);
+        probe<128, 64, 1, 4, true>("128 rows, 1 k block x 4 stages", p, rows, k, 3, sink, p128);
+        probe<128, 64, 1, 6, true>("128 rows, 1 k block x 6 stages", p, rows, k, 2, sink, p256);
+        probe<128, 64, 1, 2, true>("128 rows, 1 k block x 2 stages", p, rows, k, 3, sink, p256);
     }
     /* qwen3moe's GEMM1 at M = 1 is 96 tiles of 128 rows x 2048 (50 MB) */
     for (int ctas : {96, 132, 192, 264, 396, 792}) {
