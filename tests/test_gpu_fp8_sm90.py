@@ -189,7 +189,7 @@ def test_fp8_no_ping_pong_past_short_k(method, gen):
 @pytest.mark.parametrize("i", [320, 4160])
 def test_fp8_block_persistent_y_layouts(cfg, i, gen):
     """Block scales on the persistent kernel: GEMM2 stores y by sorted row through TMA boxes up to
-    I = 4096 (gemm_configs_fp8.cuh kSm90DownBoxesMaxK), by pair from the fragments past it, launched
+    I = 4096 (gemm_configs_fp8.cuh kFp8Sm90DownBoxesMaxK), by pair from the fragments past it, launched
     without the boxes' shared memory (its barriers sit where the boxes would be). At 100 rows per
     expert GEMM1 reads x_q by token, so y by sorted row is the only user of pair_rows."""
     e, k, h = 2, 2, 272

@@ -127,8 +127,9 @@ typedef mx_sm90_shape<256, 4, 2, 8> mx_tile_sm90_pair;
 /* Ping-pong units of 64 rows x 256 (mx_sm90_shape PING_PONG) at a few tens
  * of rows per expert, with short K or many experts (mx_sm90_ping_pong): the
  * 128-row tiles there are mostly padding, and the cooperative tile's
- * epilogue leaves the ring idle. 5 stages of 40 KB (221 KB with the warps' staging; the
- * interleaved kind's 32 KB of boxes do not fit, so it keeps mx_tile_sm90). */
+ * epilogue leaves the ring idle. 5 stages of 40 KB (221 KB with the warps'
+ * staging; the interleaved kind's 32 KB of boxes do not fit, so it keeps
+ * mx_tile_sm90). */
 typedef mx_sm90_shape<256, 5, 1, 8, true> mx_tile_sm90_pp;
 /* FP8 with 128x128 block scales where 128x256 tiles cannot or should not
  * take them (gemm_configs_fp8.cuh mx_fp8_sm90_block_wide): every k block's
@@ -513,11 +514,11 @@ constexpr int64_t kSm90PairMinRowsPerExpert = 1024;
  * 216 -> 229 us) and Mixtral bf16 M = 256 (K 4096 / 14336) +6.5%; from 16
  * rows qwen3moe bf16 M = 256 +2.5% and gpt-oss M = 512 (its interleaved
  * GEMM1 on units too) +3.0% against the 32-token tiles (H100, same log).
- * Long K lost at
- * Mixtral's 8 experts because its few long units ran in serial rounds
- * (gemm_configs_fp8.cuh); with 256 experts there are thousands of units:
- * DeepSeek-V3 (K 7168 / 2048) at 32 rows per expert (M = 1024), H200,
- * 2026-11-27, two rounds each (logs/2026-11-27-nvidia-h200-ab-ping-pong-long-k-block-scales.txt):
+ * Long K lost at Mixtral's 8 experts because its few long units ran in
+ * serial rounds (gemm_configs_fp8.cuh); with 256 experts there are
+ * thousands of units: DeepSeek-V3 (K 7168 / 2048) at 32 rows per expert
+ * (M = 1024), H200, 2026-11-27, two rounds each
+ * (logs/2026-11-27-nvidia-h200-ab-ping-pong-long-k-block-scales.txt):
  * fp8_tensor 2913.4 -> 2651.8 us (-9.0%), bf16 5315.0 -> 5305.3 (-0.2%). */
 constexpr int64_t kSm90PingPongMinRowsPerExpert = 24;
 constexpr int64_t kSm90PingPongMaxRowsPerExpert = 64;

@@ -275,7 +275,7 @@ static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_col
  * y [rows_max, H], each math warp's 16 rows x 32 columns leaving by one
  * TMA store from shared memory while the warp goes on (moe_sum finds a
  * pair's row through moe_align's pair_rows), where its K (I) is at most
- * kSm90DownBoxesMaxK; else by pair, y [M k, H], stored from the fragments.
+ * kFp8Sm90DownBoxesMaxK; else by pair, y [M k, H], stored from the fragments.
  * H100, 2026-11-26 (logs/2026-11-26-nvidia-h100-bench-ab-y-by-sorted-row.txt,
  * three rounds): qwen3moe fp8_block (I = 768) -3.7% at M = 4096 and 16384,
  * DeepSeek-V3 (2048) -1.1% at 16384, gpt-oss (2880) -1.7% at 16384;
@@ -284,10 +284,10 @@ static inline bool mx_fp8_sm90_block_wide(bool gated, bool down, int64_t out_col
  * its scales from). The 16-bit and per-tensor GEMM2s, whose warp-staged
  * stores already write whole lines, gained nothing that way (within 0.5%,
  * gpt-oss M = 4096 +2..+4%), so they keep y by pair. */
-constexpr int64_t kSm90DownBoxesMaxK = 4096;
+constexpr int64_t kFp8Sm90DownBoxesMaxK = 4096;
 static inline bool mx_fp8_sm90_down_by_sorted_row(int config, int quant, int64_t k)
 {
-    return config == MX_FP8_TILE_SM90 && quant == MX_QUANT_FP8_BLOCK && k <= kSm90DownBoxesMaxK;
+    return config == MX_FP8_TILE_SM90 && quant == MX_QUANT_FP8_BLOCK && k <= kFp8Sm90DownBoxesMaxK;
 }
 
 /* Whether the block-scale GEMM1 of `config` quantizes act in its epilogue
