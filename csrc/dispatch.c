@@ -186,6 +186,26 @@ static int check_fp8_scales(const mx_experts_args *a, const mx_moe_views *v, int
     return 0;
 }
 
+/* Packed weights (abi.h weights_packed): whole 64-row blocks and 128-byte
+ * k slices (w13 [E, n1, H], w2 [E, H, I] of weight_bytes elements),
+ * 16-bit activations. */
+static int check_packed_shapes(const mx_tensor *x, int64_t weight_bytes, int64_t n1, int64_t hidden,
+                               int64_t inter)
+{
+    if (x->dtype != MX_BF16 && x->dtype != MX_F16) {
+        PyErr_SetString(PyExc_TypeError, "hidden_states: packed expert weights take float16 or "
+                        "bfloat16 activations");
+        return -1;
+    }
+    if (n1 % 64 || hidden % 64 || (hidden * weight_bytes) % 128 || (inter * weight_bytes) % 128) {
+        PyErr_Format(PyExc_ValueError, "w13, w2: the packed layout needs weight rows in multiples of "
+                     "64 and rows of multiples of 128 bytes (w13 [%lld, %lld], w2 [%lld, %lld])",
+                     (long long)n1, (long long)hidden, (long long)hidden, (long long)inter);
+        return -1;
+    }
+    return 0;
+}
+
 static int check_expert_inputs(const mx_experts_args *a, const mx_moe_views *v,
                                mx_experts_problem *p)
 {
@@ -254,7 +274,11 @@ static int check_expert_inputs(const mx_experts_args *a, const mx_moe_views *v,
                         "(is_act_and_mul=False)");
         return -1;
     }
+    if (a->weights_packed &&
+        check_packed_shapes(x, a->quant == MX_QUANT_NONE ? 2 : 1, n1, hidden, inter) < 0)
+        return -1;
     memset(p, 0, sizeof *p);
+    p->weights_packed = a->weights_packed;
     p->num_tokens = x->shape[0];
     p->hidden_size = hidden;
     p->intermediate_size = inter;

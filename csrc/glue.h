@@ -110,6 +110,7 @@ typedef struct mx_experts_args {
     float swiglu_limit;
     int apply_router_weight_on_input;
     mx_quant quant;
+    int weights_packed;        /* abi.h mx_experts_problem.weights_packed (MoECore only) */
 } mx_experts_args;
 
 /* The tensors of one forward; a view with data == NULL is absent. */

@@ -13,6 +13,7 @@
  *                     w2_scale, e_score_correction_bias, expert_map) -> out: ...
  *         def forward_routed(self, x, topk_weights, topk_ids, w13, w2, w13_bias,
  *                            w2_bias, w13_scale, w2_scale, expert_map) -> out: ...
+ *         weights_packed: bool   # w13 / w2 in the Hopper packed layout (abi.h)
  */
 #include "glue.h"
 
@@ -43,6 +44,7 @@ static int core_init(PyObject *self, PyObject *args, PyObject *kwargs)
     core->experts.activation = MX_ACT_SILU;
     core->route.scoring = MX_SCORING_SOFTMAX;
     core->experts.quant = MX_QUANT_NONE;
+    core->experts.weights_packed = 0;
     if ((activation && mx_parse_activation(activation, &core->experts.activation) < 0) ||
         (scoring && mx_parse_scoring(scoring, &core->route.scoring) < 0) ||
         (quant && mx_parse_quant(quant, &core->experts.quant) < 0))
@@ -142,7 +144,34 @@ static PyMethodDef core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *core_get_packed(PyObject *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(((MoECoreObject *)self)->experts.weights_packed);
+}
+
+static int core_set_packed(PyObject *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "weights_packed: cannot be deleted");
+        return -1;
+    }
+    int packed = PyObject_IsTrue(value);
+    if (packed < 0)
+        return -1;
+    ((MoECoreObject *)self)->experts.weights_packed = packed;
+    return 0;
+}
+
+static PyGetSetDef core_getset[] = {
+    {"weights_packed", core_get_packed, core_set_packed,
+     "Whether forward's w13 / w2 hold the Hopper packed layout (abi.h weights_packed).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyType_Slot core_slots[] = {
+    {Py_tp_getset, core_getset},
     {Py_tp_doc, "Configuration and dispatch of one FusedMoE layer (moe_ext._C)."},
     {Py_tp_init, core_init},
     {Py_tp_dealloc, mx_heap_dealloc},

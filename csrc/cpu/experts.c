@@ -527,6 +527,10 @@ static mx_status mx_check(const mx_experts_problem *p, const void *workspace)
 
 mx_status mx_cpu_experts(const mx_experts_problem *p, void *workspace)
 {
+    if (p->weights_packed)
+        return mx_error(MX_ERR_NOT_IMPLEMENTED, "experts: weights in the packed Hopper layout are read by the "
+                        "sm_90 CUDA kernels only (call the layer's process_weights_after_loading() on the "
+                        "device it runs on)");
     if (p->routing && p->num_tokens > 0) {
         mx_status routed = mx_cpu_route(p->routing);
         if (routed.code != MX_OK)

@@ -21,7 +21,8 @@
  *      (y + b2) * w, float32, rounded once (moe_sum's order).
  * 16-bit weights, M <= 2 (decode_fused_16bit.cuh): a warp per (slot, act
  * column) or two (slot, row) items, dot products on the CUDA cores, 16
- * bytes a lane per step. FP8, M = 1 (decode_fused_fp8.cuh): 16-row units on
+ * bytes a lane per step (packed weights: 8 lanes an item, 4 consecutive
+ * items a warp). FP8, M = 1 (decode_fused_fp8.cuh): 16-row units on
  * tensor cores (m16n8k32 e4m3, the token as column 0), K split over warps.
  *
  * Where it is taken (fused_usable): bfloat16 / float16 activations,
@@ -242,6 +243,7 @@ extern "C" int mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace
     a.x = p->hidden_states;
     a.w13 = p->w13;
     a.w2 = p->w2;
+    a.w_packed = p->weights_packed;
     a.b13 = p->w13_bias;
     a.b2 = p->w2_bias;
     a.topk_weights = p->topk_weights;

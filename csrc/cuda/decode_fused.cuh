@@ -15,7 +15,6 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = 2;
 constexpr int kMaxPairs = 64;
-constexpr int kChunk = 512;                       /* bytes of a row per warp step: 16 a lane */
 constexpr int kUnroll = 4;                        /* steps of each row in flight */
 constexpr size_t kMaxSmem = 200 * 1024;
 constexpr long long kPrefetchPerCta = 192 * 1024; /* GEMM2 bytes a CTA prefetches into L2 */
@@ -30,6 +29,7 @@ struct fused_args {
     int top_k, kind, activation, weight_on_input, route_epl, routed;
     float alpha, limit;
     const void *x, *w13, *w2, *b13, *b2;
+    int w_packed;               /* w13 / w2 in the packed layout (abi.h weights_packed) */
     const float *w13_scale, *w2_scale; /* FP8 */
     const float *topk_weights;
     const int32_t *topk_ids, *expert_map;
@@ -60,6 +60,25 @@ __device__ __forceinline__ uint4 ld_stream16(const uint8_t *p)
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
+}
+
+/* One weight row in its tensor's layout: byte `off` (a multiple of 16) of
+ * its k at at(off). Row-major: the row's slices of 128 bytes follow each
+ * other; packed (abi.h weights_packed): they lie 8 KB apart. */
+struct weight_row {
+    const uint8_t *p;     /* the row's first byte */
+    int64_t slice_stride; /* bytes from one 128-byte k slice of the row to the next */
+    __device__ __forceinline__ const uint8_t *at(int off) const { return p + (off >> 7) * slice_stride + (off & 127); }
+};
+
+/* Row `row` of expert e of w [E, n_rows, kbytes] */
+__device__ __forceinline__ weight_row weight_row_of(const void *w, bool packed, int64_t e, int64_t n_rows, int64_t row,
+                                                    int64_t kbytes)
+{
+    const uint8_t *expert = static_cast<const uint8_t *>(w) + e * n_rows * kbytes;
+    if (packed)
+        return {expert + (row >> 6) * 64 * kbytes + (row & 63) * 128, 64 * 128};
+    return {expert + row * kbytes, 128};
 }
 
 __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes)
@@ -123,11 +142,24 @@ __device__ __forceinline__ void fused_prefetch_w2(const fused_args &a, const fus
                                                   int64_t ibytes)
 {
     const int64_t bytes = rows * ibytes;
-    if ((threadIdx.x & 31) != 0 || bytes <= 0)
+    if (bytes <= 0)
         return;
+    const int lane = threadIdx.x & 31;
     for (int v = threadIdx.x >> 5; v < hd.nvalid && (v + 1) * bytes <= kPrefetchPerCta; v += kWarps) {
         const int e = hd.slot_e[hd.valid[v]];
-        prefetch_l2(static_cast<const uint8_t *>(a.w2) + (e * a.H + row0) * ibytes, static_cast<uint32_t>(bytes));
+        if (!a.w_packed) {
+            if (lane == 0)
+                prefetch_l2(weight_row_of(a.w2, false, e, a.H, row0, ibytes).p, static_cast<uint32_t>(bytes));
+            continue;
+        }
+        /* packed: the rows' part of each 128-byte k slice of each 64-row block */
+        const int64_t slices = ibytes / 128, row1 = row0 + rows;
+        for (int64_t b = row0 / 64; b * 64 < row1; ++b) {
+            const int64_t r0 = b * 64 > row0 ? b * 64 : row0, r1 = (b + 1) * 64 < row1 ? (b + 1) * 64 : row1;
+            const weight_row w = weight_row_of(a.w2, true, e, a.H, r0, ibytes);
+            for (int64_t kb = lane; kb < slices; kb += 32)
+                prefetch_l2(w.at(static_cast<int>(kb * 128)), static_cast<uint32_t>((r1 - r0) * 128));
+        }
     }
 }
 

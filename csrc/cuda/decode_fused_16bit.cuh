@@ -20,26 +20,54 @@ template <typename T> __device__ __forceinline__ float dot8(uint4 w, uint4 a, fl
     return acc;
 }
 
+/* How a warp's lanes share rows: all 32 lanes on one row (a warp step 512
+ * contiguous bytes of a row-major row), or, on packed weights (abi.h),
+ * groups of 8 lanes on 4 consecutive rows, so that a warp step reads 512
+ * contiguous bytes of the 64-row block (a 128-byte slice of each row).
+ * The groups take 4 items a warp: the phases give them only whole rounds
+ * of every warp and the rest to whole warps, since a last round of 4-item
+ * warps left most warps idle (Mixtral M = 1 +16%, H100). */
+struct row_lanes {
+    int lanes, group, first, step; /* lanes a row, this lane's group, its first byte, bytes a step */
+    __device__ __forceinline__ explicit row_lanes(bool grouped)
+    {
+        const int lane = threadIdx.x & 31;
+        lanes = grouped ? 8 : 32;
+        group = lane / lanes;
+        first = lane % lanes * 16;
+        step = lanes * 16;
+    }
+    __device__ __forceinline__ int groups() const { return 32 / lanes; }
+    __device__ __forceinline__ bool leader() const { return first == 0; }
+    /* the sum over the group's lanes (the lanes = 32 order of warp_sum) */
+    __device__ __forceinline__ float sum(float v) const
+    {
+        for (int off = lanes / 2; off > 0; off >>= 1)
+            v += __shfl_xor_sync(0xffffffffu, v, off);
+        return v;
+    }
+};
+
 /* Lane sums of two weight rows (w0, w1: kbytes each, global) against rows
- * a0, a1 (shared memory): 16 bytes a lane per step, kUnroll steps of both
- * rows loaded before any is used. */
+ * a0, a1 (shared memory): 16 bytes a lane per step (bytes first, first +
+ * step, ...), kUnroll steps of both rows loaded before any is used. */
 template <typename T>
-__device__ __forceinline__ void dot_rows(const uint8_t *w0, const uint8_t *w1, const uint8_t *a0, const uint8_t *a1,
-                                         int kbytes, int lane, float &acc0, float &acc1)
+__device__ __forceinline__ void dot_rows(const weight_row w0, const weight_row w1, const uint8_t *a0, const uint8_t *a1,
+                                         int kbytes, int first, int step, float &acc0, float &acc1)
 {
-    for (int base = lane * 16; base < kbytes; base += kChunk * kUnroll) {
+    for (int base = first; base < kbytes; base += step * kUnroll) {
         uint4 r0[kUnroll], r1[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-            const int off = base + u * kChunk;
+            const int off = base + u * step;
             if (off < kbytes) {
-                r0[u] = ld_stream16(w0 + off);
-                r1[u] = ld_stream16(w1 + off);
+                r0[u] = ld_stream16(w0.at(off));
+                r1[u] = ld_stream16(w1.at(off));
             }
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-            const int off = base + u * kChunk;
+            const int off = base + u * step;
             if (off >= kbytes)
                 break;
             acc0 = dot8<T>(r0[u], *reinterpret_cast<const uint4 *>(a0 + off), acc0);
@@ -87,40 +115,51 @@ struct gemm1_unit {
     }
 };
 
-/* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace. */
+/* GEMM1 unit u's two rows, then (the group's leader) its activation into act. */
+template <typename T>
+__device__ __forceinline__ void gemm1_item(const fused_args &a, const fused_head &hd, const uint8_t *ops,
+                                           const row_lanes &rl, int u, int cols)
+{
+    const int hbytes = static_cast<int>(a.H * sizeof(T));
+    const gemm1_unit n(a, hd, u, cols);
+    const uint8_t *xr = ops + static_cast<int64_t>(hd.valid[n.v] / a.top_k) * hbytes;
+    float acc0 = 0.0f, acc1 = 0.0f;
+    dot_rows<T>(weight_row_of(a.w13, a.w_packed, n.e, a.n1, n.r0, hbytes),
+                weight_row_of(a.w13, a.w_packed, n.e, a.n1, n.r1, hbytes), xr, xr, hbytes, rl.first, rl.step, acc0,
+                acc1);
+    acc0 = rl.sum(acc0);
+    acc1 = rl.sum(acc1);
+    if (!rl.leader())
+        return;
+    const T *bias = static_cast<const T *>(a.b13);
+    if (bias) {
+        acc0 += mx_to_float(bias[n.e * a.n1 + n.r0]);
+        acc1 += mx_to_float(bias[n.e * a.n1 + n.r1]);
+    }
+    T *dst = static_cast<T *>(a.act) + n.v * a.I;
+    if (a.kind == MX_GEMM_UP) {
+        dst[n.r0] = mx_from_float<T>(mx_act_plain(a.activation, acc0));
+        if (n.r1 != n.r0)
+            dst[n.r1] = mx_from_float<T>(mx_act_plain(a.activation, acc1));
+    } else {
+        dst[n.c] = mx_from_float<T>(mx_act_gated(a.activation, acc0, acc1, a.alpha, a.limit));
+    }
+}
+
+/* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace.
+ * Packed weights: units [0, 4 quads) by lane groups (row_lanes), quads
+ * consecutive units in whole rounds of every warp; the rest a warp each. */
 template <typename T>
 __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
 {
-    const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
     const int cols = static_cast<int>(a.kind == MX_GEMM_UP ? (a.I + 1) / 2 : a.I), units = hd.nvalid * cols;
-    const int hbytes = static_cast<int>(a.H * sizeof(T));
-    const T *bias = static_cast<const T *>(a.b13);
-    T *act = static_cast<T *>(a.act);
-    for (int u = gw; u < units; u += nw) {
-        const gemm1_unit n(a, hd, u, cols);
-        const uint8_t *w = static_cast<const uint8_t *>(a.w13) + n.e * a.n1 * hbytes;
-        const uint8_t *xr = ops + static_cast<int64_t>(hd.valid[n.v] / a.top_k) * hbytes;
-        float acc0 = 0.0f, acc1 = 0.0f;
-        dot_rows<T>(w + static_cast<int64_t>(n.r0) * hbytes, w + static_cast<int64_t>(n.r1) * hbytes, xr, xr, hbytes,
-                    lane, acc0, acc1);
-        acc0 = warp_sum(acc0);
-        acc1 = warp_sum(acc1);
-        if (lane != 0)
-            continue;
-        if (bias) {
-            acc0 += mx_to_float(bias[n.e * a.n1 + n.r0]);
-            acc1 += mx_to_float(bias[n.e * a.n1 + n.r1]);
-        }
-        T *dst = act + n.v * a.I;
-        if (a.kind == MX_GEMM_UP) {
-            dst[n.r0] = mx_from_float<T>(mx_act_plain(a.activation, acc0));
-            if (n.r1 != n.r0)
-                dst[n.r1] = mx_from_float<T>(mx_act_plain(a.activation, acc1));
-        } else {
-            dst[n.c] = mx_from_float<T>(mx_act_gated(a.activation, acc0, acc1, a.alpha, a.limit));
-        }
-    }
+    const int quads = a.w_packed ? units / 4 / nw * nw : 0;
+    const row_lanes grouped(true), whole(false);
+    for (int q = gw; q < quads; q += nw)
+        gemm1_item<T>(a, hd, ops, grouped, 4 * q + grouped.group, cols);
+    for (int u = 4 * quads + gw; u < units; u += nw)
+        gemm1_item<T>(a, hd, ops, whole, u, cols);
 }
 
 /* GEMM2 rows of this CTA: [h0, h1) */
@@ -141,33 +180,45 @@ __device__ __forceinline__ void fused_stage_act(const fused_args &a, const fused
     __syncthreads();
 }
 
+/* GEMM2 items i0, i1 (item: slot v = i / nrows, row h0 + i % nrows) of
+ * this CTA's rows [h0, h0 + nrows) into ys. */
+template <typename T>
+__device__ __forceinline__ void gemm2_items(const fused_args &a, const fused_head &hd, const uint8_t *ops, float *ys,
+                                            const row_lanes &rl, int64_t h0, int nrows, int i0, int i1)
+{
+    const int ibytes = static_cast<int>(a.I * sizeof(T));
+    const int v0 = i0 / nrows, v1 = i1 / nrows;
+    const int64_t g0 = h0 + (i0 - v0 * nrows), g1 = h0 + (i1 - v1 * nrows);
+    const int e0 = hd.slot_e[hd.valid[v0]], e1 = hd.slot_e[hd.valid[v1]];
+    float acc0 = 0.0f, acc1 = 0.0f;
+    dot_rows<T>(weight_row_of(a.w2, a.w_packed, e0, a.H, g0, ibytes),
+                weight_row_of(a.w2, a.w_packed, e1, a.H, g1, ibytes), ops + v0 * ibytes, ops + v1 * ibytes, ibytes,
+                rl.first, rl.step, acc0, acc1);
+    acc0 = rl.sum(acc0);
+    acc1 = rl.sum(acc1);
+    if (rl.leader()) {
+        ys[v0 * a.rows_max + (g0 - h0)] = acc0;
+        ys[v1 * a.rows_max + (g1 - h0)] = acc1;
+    }
+}
+
 /* Phase 5: GEMM2 of the CTA's rows, then the top-k sum into out. A warp
- * takes items i and i + kWarps (item: slot v = i / nrows, row h0 + i %
- * nrows) together. */
+ * takes items i and i + kWarps together; on packed weights, first whole
+ * rounds of 8 items a warp by lane groups (row_lanes), 4 consecutive items
+ * and the 4 after kWarps * 4 more. */
 template <typename T>
 __device__ __forceinline__ void fused_gemm2(const fused_args &a, const fused_head &hd, const uint8_t *ops, float *ys)
 {
     int64_t h0, h1;
     cta_rows(a, h0, h1);
     const int nrows = static_cast<int>(h1 - h0), items = hd.nvalid * nrows;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int ibytes = static_cast<int>(a.I * sizeof(T));
-    const uint8_t *w2 = static_cast<const uint8_t *>(a.w2);
-    for (int i0 = warp; i0 < items; i0 += 2 * kWarps) {
-        const int i1 = i0 + kWarps < items ? i0 + kWarps : i0;
-        const int v0 = i0 / nrows, v1 = i1 / nrows;
-        const int64_t g0 = h0 + (i0 - v0 * nrows), g1 = h0 + (i1 - v1 * nrows);
-        const int e0 = hd.slot_e[hd.valid[v0]], e1 = hd.slot_e[hd.valid[v1]];
-        float acc0 = 0.0f, acc1 = 0.0f;
-        dot_rows<T>(w2 + (e0 * a.H + g0) * ibytes, w2 + (e1 * a.H + g1) * ibytes, ops + v0 * ibytes,
-                    ops + v1 * ibytes, ibytes, lane, acc0, acc1);
-        acc0 = warp_sum(acc0);
-        acc1 = warp_sum(acc1);
-        if (lane == 0) {
-            ys[v0 * a.rows_max + (g0 - h0)] = acc0;
-            ys[v1 * a.rows_max + (g1 - h0)] = acc1;
-        }
-    }
+    const int warp = threadIdx.x >> 5, round = 8 * kWarps;
+    const int grouped_items = a.w_packed ? items / round * round : 0;
+    const row_lanes grouped(true), whole(false);
+    for (int q = 4 * warp; q < grouped_items; q += round)
+        gemm2_items<T>(a, hd, ops, ys, grouped, h0, nrows, q + grouped.group, q + grouped.group + 4 * kWarps);
+    for (int i0 = grouped_items + warp; i0 < items; i0 += 2 * kWarps)
+        gemm2_items<T>(a, hd, ops, ys, whole, h0, nrows, i0, i0 + kWarps < items ? i0 + kWarps : i0);
     __syncthreads();
     const T *bias = static_cast<const T *>(a.b2);
     T *out = static_cast<T *>(a.out);

@@ -35,7 +35,7 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1
  * sw_lo / sw_hi [kb] * sx[kb] with block scales). Returns row g's sum in
  * lo and row g + 8's in hi, valid in lanes with t == 0. */
 template <int Q>
-__device__ __forceinline__ void mma_rows(const uint8_t *w_lo, const uint8_t *w_hi, const uint8_t *x, int kb0, int kb1,
+__device__ __forceinline__ void mma_rows(const weight_row w_lo, const weight_row w_hi, const uint8_t *x, int kb0, int kb1,
                                          const float *sw_lo, const float *sw_hi, const float *sx, float &lo, float &hi)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -46,10 +46,10 @@ __device__ __forceinline__ void mma_rows(const uint8_t *w_lo, const uint8_t *w_h
         for (int b = 0; b < kMmaBlocks; ++b)
             if (kb + b < kb1) {
                 const int off = (kb + b) * kFp8Block + 16 * t;
-                p[b][0] = ld_stream16(w_lo + off);
-                p[b][1] = ld_stream16(w_lo + off + 64);
-                q[b][0] = ld_stream16(w_hi + off);
-                q[b][1] = ld_stream16(w_hi + off + 64);
+                p[b][0] = ld_stream16(w_lo.at(off));
+                p[b][1] = ld_stream16(w_lo.at(off + 64));
+                q[b][0] = ld_stream16(w_hi.at(off));
+                q[b][1] = ld_stream16(w_hi.at(off + 64));
             }
 #pragma unroll
         for (int b = 0; b < kMmaBlocks; ++b) {
@@ -168,14 +168,14 @@ __device__ __forceinline__ void fused_gemm1_fp8(const fused_args &a, fused_head 
         const int u = base + half;
         if (u < units) {
             const int v = u / groups, c = (u - v * groups) * 8, e = hd.slot_e[hd.valid[v]], g = lane >> 2;
-            const uint8_t *w = static_cast<const uint8_t *>(a.w13) + e * a.n1 * a.H;
             const float *sw_lo = nullptr, *sw_hi = nullptr;
             if constexpr (Q == Q_BLOCK) {
                 sw_lo = a.w13_scale + (e * n1b + c / kFp8Block) * kblocks;
                 sw_hi = a.w13_scale + (e * n1b + (I + c) / kFp8Block) * kblocks;
             }
             float lo, hi;
-            mma_rows<Q>(w + (c + g) * a.H, w + (I + c + g) * a.H, ops, slice * kblocks / 8,
+            mma_rows<Q>(weight_row_of(a.w13, a.w_packed, e, a.n1, c + g, a.H),
+                        weight_row_of(a.w13, a.w_packed, e, a.n1, I + c + g, a.H), ops, slice * kblocks / 8,
                         (slice + 1) * kblocks / 8, sw_lo, sw_hi, xsc, lo, hi);
             if ((lane & 3) == 0) {
                 red[(half * 8 + slice) * 16 + g] = lo;
@@ -260,14 +260,14 @@ __device__ __forceinline__ void fused_gemm2_fp8(const fused_args &a, const fused
         const int64_t row0 = static_cast<int64_t>(rg) * 16;
         if (v < nv) {
             const int e = hd.slot_e[hd.valid[v]];
-            const uint8_t *w = static_cast<const uint8_t *>(a.w2) + (e * a.H + row0) * a.I;
             const float *sw = nullptr, *sa = nullptr;
             if constexpr (Q == Q_BLOCK) {
                 sw = a.w2_scale + (e * hb + row0 / kFp8Block) * kblocks;
                 sa = asc + v * kblocks;
             }
             float lo, hi;
-            mma_rows<Q>(w + g * a.I, w + (g + 8) * a.I, ops + v * a.I, slice * kblocks / per,
+            mma_rows<Q>(weight_row_of(a.w2, a.w_packed, e, a.H, row0 + g, a.I),
+                        weight_row_of(a.w2, a.w_packed, e, a.H, row0 + g + 8, a.I), ops + v * a.I, slice * kblocks / per,
                         (slice + 1) * kblocks / per, sw, sw, sa, lo, hi);
             if ((lane & 3) == 0) {
                 red[(v * per + slice) * 16 + g] = lo;

@@ -60,6 +60,19 @@ inline bool plan_picks_splits(const experts_plan &plan)
     return mx_tile_sm90_takes_slices(plan.tile_config) && plan.down_splits > 1;
 }
 
+/* x copied to the workspace: packed weights take the Hopper kernels only,
+ * whose TMA loads need x 16-byte aligned */
+bool x_copied(const mx_experts_problem *p)
+{
+    return p->weights_packed && !p->apply_router_weight_on_input && !mx_aligned16(p->hidden_states);
+}
+
+/* x scaled by the router weight, or copied, into the workspace */
+bool x_staged(const mx_experts_problem *p)
+{
+    return p->apply_router_weight_on_input || x_copied(p);
+}
+
 /* tma: the operands allow the Hopper kernels' TMA loads (see tma_usable) */
 void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
 {
@@ -91,7 +104,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     plan->off_num_tiles = mx_ws_take(&at, sizeof(int32_t));
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
-    plan->off_x_scaled = mx_ws_take(&at, p->apply_router_weight_on_input ? es * p->num_tokens * p->hidden_size : 0);
+    plan->off_x_scaled = mx_ws_take(&at, x_staged(p) ? es * p->num_tokens * p->hidden_size : 0);
     plan->off_act = mx_ws_take(&at, es * plan->rows_max * plan->ld_act);
     plan->off_y = mx_ws_take(&at, sizeof(float) * plan->down_splits * pairs * p->hidden_size);
     plan->off_split_count = mx_ws_take(&at, plan_picks_splits(*plan) ? sizeof(int32_t) : 0);
@@ -103,8 +116,9 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
  * plan takes the mma.sync configs. */
 int tma_usable(const mx_experts_problem *p, const void *workspace)
 {
-    return p->hidden_size % 8 == 0 && p->intermediate_size % 8 == 0 && mx_aligned16(p->hidden_states) &&
-           mx_aligned16(p->w13) && mx_aligned16(p->w2) && mx_aligned16(workspace);
+    return p->hidden_size % 8 == 0 && p->intermediate_size % 8 == 0 &&
+           (mx_aligned16(p->hidden_states) || x_staged(p)) && mx_aligned16(p->w13) && mx_aligned16(p->w2) &&
+           mx_aligned16(workspace);
 }
 
 /* 0 => the problem is usable (st untouched); else st holds the error. */
@@ -140,6 +154,17 @@ int check_problem(const mx_experts_problem *p, const void *workspace, mx_status 
     if (!p->hidden_states || !p->w13 || !p->w2 || !p->topk_weights || !p->topk_ids || !p->output || !workspace) {
         *st = mx_status_fail(MX_ERR_VALUE, "experts (CUDA): a required pointer (x, w13, w2, topk_weights, topk_ids, "
                              "output, workspace) is NULL");
+        return 1;
+    }
+    if (p->weights_packed && !mx_cuda_sm90_gemm_available()) {
+        *st = mx_status_fail(MX_ERR_NOT_IMPLEMENTED, "experts (CUDA): weights in the packed Hopper layout need a "
+                             "device that runs the sm_90a kernels (call the layer's "
+                             "process_weights_after_loading() on the device it runs on)");
+        return 1;
+    }
+    if (p->weights_packed && (!mx_aligned16(p->w13) || !mx_aligned16(p->w2) || p->act_dtype == MX_F32)) {
+        *st = mx_status_fail(MX_ERR_VALUE, "experts (CUDA): packed weights need 16-byte aligned w13 / w2 and "
+                             "16-bit activations");
         return 1;
     }
     return 0;
@@ -224,12 +249,20 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
         if (st.code != MX_OK)
             return st;
         x = x_scaled;
+    } else if (x_copied(p)) {
+        st = mx_check_call(cudaMemcpyAsync(x_scaled, x, mx_dtype_size(p->act_dtype) * p->num_tokens * H,
+                                           cudaMemcpyDeviceToDevice, stream),
+                           "experts (CUDA): x copy");
+        if (st.code != MX_OK)
+            return st;
+        x = x_scaled;
     }
 
     mx_gemm_args g1;
     g1.a = x;
     g1.lda = H;
     g1.w = p->w13;
+    g1.w_packed = p->weights_packed;
     g1.bias = p->w13_bias;
     g1.n_rows = p->is_act_and_mul ? 2 * I : I;
     g1.k = H;

@@ -44,7 +44,8 @@ static inline const char *mx_gemm_kind_name(int kind)
 typedef struct mx_gemm_args {
     const void *a;                /* GEMM1: x [M, lda] gathered by token; GEMM2: act [rows, lda] by s */
     int64_t lda;                  /* row stride of a, elements */
-    const void *w;                /* [E_local, n_rows, k] row-major (k contiguous) */
+    const void *w;                /* [E_local, n_rows, k] row-major (k contiguous), or packed */
+    int w_packed;                 /* w in the packed layout (abi.h weights_packed): Hopper kernels only */
     const void *bias;             /* [E_local, n_rows] or NULL */
     int64_t n_rows;               /* weight rows per expert: 2I, I or H */
     int64_t k;                    /* reduction length: H (GEMM1) or I (GEMM2) */

@@ -265,6 +265,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g1.a_scale = block ? x_scale : x_tensor_scale;
     g1.a_scale_ld = plan.x_blocks;
     g1.w = static_cast<const uint8_t *>(p->w13);
+    g1.w_packed = p->weights_packed;
     g1.w_scale = p->w13_scale;
     g1.bias = p->w13_bias;
     g1.n_rows = p->is_act_and_mul ? 2 * I : I;

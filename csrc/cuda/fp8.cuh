@@ -176,7 +176,8 @@ typedef struct mx_fp8_gemm_args {
                                    wrote each token's row to its pairs' rows), else by token */
     const float *a_scale;       /* TENSOR: [1]; BLOCK: [*, a_scale_ld], row as for a */
     int64_t a_scale_ld;         /* BLOCK: ceil(k / 128) */
-    const uint8_t *w;           /* fp8 [E_local, n_rows, k] row-major */
+    const uint8_t *w;           /* fp8 [E_local, n_rows, k] row-major, or packed */
+    int w_packed;               /* w in the packed layout (abi.h weights_packed): Hopper kernels only */
     const float *w_scale;       /* TENSOR: [E_local]; BLOCK: [E_local, ceil(n_rows / 128), ceil(k / 128)] */
     const void *bias;           /* [E_local, n_rows] in out_dtype, or NULL */
     int64_t n_rows, k, out_cols;

@@ -62,6 +62,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.a = f->a;
     g.lda = f->lda;
     g.w = f->w;
+    g.w_packed = f->w_packed;
     g.bias = f->bias;
     g.n_rows = f->n_rows;
     g.k = f->k;

@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
     auto expect_w = [&](int kb) { mbar_arrive_expect_tx(full_bar(slot(kb)), kRowsFromX ? W_BYTES : STAGE_BYTES); };
     auto load_box = [&](int kb, int box) {
         const int s = slot(kb);
-        tma_load_3d(base + static_cast<uint32_t>(s) * STAGE_BYTES + box * BOX_BYTES, &tma_w, full_bar(s), kb * BK,
-                    box ? row1 : row0, expert);
+        tma_load_w(base + static_cast<uint32_t>(s) * STAGE_BYTES + box * BOX_BYTES, &tma_w, full_bar(s), kb, BK,
+                   box ? row1 : row0, expert, g.w_packed);
     };
     auto issue_w = [&](int kb) {
         expect_w(kb);
@@ -610,14 +610,15 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
      * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
      * then the weight map again, never read. */
     CUtensorMap map_a, map_w;
-    /* L2 promotion 128B with paired loads, and for 16-bit GEMM2 on 16-token
-     * tiles over rows shorter than kSm90DecodeDownShortRowBytes; else 256B
+    /* L2 promotion 128B on packed weights (each box one contiguous 8 KB
+     * piece), with paired loads, and for 16-bit GEMM2 on 16-token tiles over
+     * rows shorter than kSm90DecodeDownShortRowBytes; else 256B
      * (gemm_configs.cuh has the measurements) */
     const bool short_down = KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_NONE && Shape::kBlockT == 16 &&
                             g.k * static_cast<int64_t>(sizeof(TA)) < kSm90DecodeDownShortRowBytes;
-    const int promotion = Shape::kPairedLoads || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                                            : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st, promotion))
+    const int promotion = g.w_packed || Shape::kPairedLoads || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                                          : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, g.w_packed, &map_w, &st, promotion))
         return st;
     if (decode_rows_from_x(KIND))
         map_a = map_w;

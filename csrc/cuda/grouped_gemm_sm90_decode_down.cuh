@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
     auto issue_w = [&]() {
         const int s = p_step % STAGES;
         mbar_arrive_expect_tx(full_bar(s), STAGE_BYTES);
-        tma_load_3d(slot_at(s), &tma_w, full_bar(s), p_kb * 128, p.row0, p.expert);
-        tma_load_3d(slot_at(s) + BOX_BYTES, &tma_w, full_bar(s), p_kb * 128, p.row0 + 64, p.expert);
+        tma_load_w(slot_at(s), &tma_w, full_bar(s), p_kb, 128, p.row0, p.expert, g.w_packed);
+        tma_load_w(slot_at(s) + BOX_BYTES, &tma_w, full_bar(s), p_kb, 128, p.row0 + 64, p.expert, g.w_packed);
     };
     auto issue_a = [&](int s, int kb, int mt) {
         tma_load_2d(slot_at(s) + W_BYTES, &tma_a, full_bar(s), kb * 128, mt * BT);
@@ -350,11 +350,11 @@ mx_status launch_sm90_decode_down(const mx_gemm_args &g, const mx_sm90_scales &s
                               (long long)grid);
     mx_status st;
     CUtensorMap map_a, map_w;
-    /* L2 promotion 128B on 16-token tiles (gemm_configs.cuh
-     * kSm90DecodeDownShortRowBytes has the measurements) */
-    const int promotion =
-        Shape::kBlockT == 16 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, &map_w, &st, promotion) ||
+    /* L2 promotion 128B on packed weights and on 16-token tiles
+     * (gemm_configs.cuh kSm90DecodeDownShortRowBytes has the measurements) */
+    const int promotion = g.w_packed || Shape::kBlockT == 16 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                             : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, g.w_packed, &map_w, &st, promotion) ||
         !sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockT, Shape::kBlockT, g.k, &map_a, &st))
         return st;
     return mx_check_call(mx_launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(Shape::kThreads),

@@ -393,11 +393,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                         if (!A_BY_TOKEN)
                             tma_load_2d(a_dst, &tma_a, full_bar(s), kb * BK, a_row);
                         if (multicast) {
-                            tma_load_3d_multicast(w_dst + rank * HALF_W_BYTES, &tma_w, full_bar(s), kb * BK,
-                                                  rank ? row1 : row0, expert, static_cast<uint16_t>((1u << CM) - 1u));
+                            tma_load_w_multicast(w_dst + rank * HALF_W_BYTES, &tma_w, full_bar(s), kb, BK,
+                                                 rank ? row1 : row0, expert, g.w_packed,
+                                                 static_cast<uint16_t>((1u << CM) - 1u));
                         } else {
-                            tma_load_3d(w_dst, &tma_w, full_bar(s), kb * BK, row0, expert);
-                            tma_load_3d(w_dst + HALF_W_BYTES, &tma_w, full_bar(s), kb * BK, row1, expert);
+                            tma_load_w(w_dst, &tma_w, full_bar(s), kb, BK, row0, expert, g.w_packed);
+                            tma_load_w(w_dst + HALF_W_BYTES, &tma_w, full_bar(s), kb, BK, row1, expert, g.w_packed);
                         }
                     }
                     if (A_BY_TOKEN) {
@@ -762,7 +763,7 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     if (st.code != MX_OK)
         return st;
     CUtensorMap map_a, map_w, map_out;
-    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, &map_w, &st))
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, g.w_packed, &map_w, &st))
         return st;
     if (A_BY_TOKEN)
         map_a = map_w; /* not read: the kernel copies its A rows by token */

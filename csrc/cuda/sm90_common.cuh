@@ -85,6 +85,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map
                  : "memory");
 }
 
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c2, int c3, int c4)
+{
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %3, %4, %5, %6}], [%2];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(0), "r"(c2), "r"(c3), "r"(c4)
+                 : "memory");
+}
+
 /* The same box into the same shared-memory offset of every CTA in cta_mask
  * (cluster multicast); each destination's barrier at `bar` gets the bytes. */
 __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0,
@@ -94,6 +102,38 @@ __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtens
                  " [%0], [%1, {%4, %5, %6}], [%2], %3;\n"
                  ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "h"(cta_mask), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
+}
+
+__device__ __forceinline__ void tma_load_5d_multicast(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c2,
+                                                      int c3, int c4, uint16_t cta_mask)
+{
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%4, %4, %5, %6, %7}], [%2], %3;\n"
+                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "h"(cta_mask), "r"(0), "r"(c2), "r"(c3),
+                 "r"(c4)
+                 : "memory");
+}
+
+/* A weight box: k block kb (128 bytes, kb_elems elements) of the rows from
+ * `row` of one expert, through a map of sm90_weight_map (packed: the 5-D
+ * map of the packed layout, `row` a multiple of 64). */
+__device__ __forceinline__ void tma_load_w(uint32_t dst, const CUtensorMap *map, uint32_t bar, int kb, int kb_elems,
+                                           int row, int expert, bool packed)
+{
+    if (packed)
+        tma_load_5d(dst, map, bar, kb, row / 64, expert);
+    else
+        tma_load_3d(dst, map, bar, kb * kb_elems, row, expert);
+}
+
+__device__ __forceinline__ void tma_load_w_multicast(uint32_t dst, const CUtensorMap *map, uint32_t bar, int kb,
+                                                     int kb_elems, int row, int expert, bool packed,
+                                                     uint16_t cta_mask)
+{
+    if (packed)
+        tma_load_5d_multicast(dst, map, bar, kb, row / 64, expert, cta_mask);
+    else
+        tma_load_3d_multicast(dst, map, bar, kb * kb_elems, row, expert, cta_mask);
 }
 
 /* TMA store of a box of shared memory (at src, laid out as the map's swizzle) to
@@ -358,10 +398,10 @@ inline sm90_encode_fn sm90_encode_tiled()
 struct sm90_map_key {
     const void *addr;
     int dtype;              /* CUtensorMapDataType */
-    int rank;               /* 2 or 3 */
-    uint64_t dims[3];       /* elements, innermost first */
-    uint64_t strides[2];    /* bytes of dims 1, 2 */
-    uint32_t box[3];
+    int rank;               /* 2, 3 or 5 */
+    uint64_t dims[5];       /* elements, innermost first */
+    uint64_t strides[4];    /* bytes of dims 1.. */
+    uint32_t box[5];
     int promotion;          /* CUtensorMapL2promotion */
 };
 
@@ -385,7 +425,7 @@ inline int sm90_tensor_map(const sm90_map_key &key, CUtensorMap *out, mx_status 
         *st = mx_status_fail(MX_ERR_CUDA, "grouped_gemm_sm90: cuTensorMapEncodeTiled is not available");
         return 0;
     }
-    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
     CUresult r = encode(out, static_cast<CUtensorMapDataType>(key.dtype),
                         static_cast<cuuint32_t>(key.rank), const_cast<void *>(key.addr), key.dims, key.strides, key.box,
                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -460,12 +500,38 @@ int sm90_rows_map(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, in
 }
 
 /* Tensor map of W [experts, n_rows, k], boxes of w_box_rows rows of one
- * expert. */
+ * expert by 128 bytes of k. packed: W in the packed layout (abi.h
+ * weights_packed: [experts, n_rows / 64, k / 128 B, 64, 128 B]), a 5-D map
+ * whose boxes are w_box_rows / 64 whole packed blocks (tma_load_w). */
 template <typename TA>
-int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, int w_box_rows, CUtensorMap *map,
-                    mx_status *st, int promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
+int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, int w_box_rows, bool packed,
+                    CUtensorMap *map, mx_status *st, int promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
 {
-    return sm90_kmajor_map<TA>(w, 3, k, n_rows, k, experts, n_rows * k, w_box_rows, map, st, promotion);
+    if (!packed)
+        return sm90_kmajor_map<TA>(w, 3, k, n_rows, k, experts, n_rows * k, w_box_rows, map, st, promotion);
+    sm90_map_key key;
+    memset(&key, 0, sizeof key);
+    const uint64_t kb_elems = 128 / sizeof(TA), k_blocks = static_cast<uint64_t>(k) / kb_elems;
+    const uint64_t row_blocks = static_cast<uint64_t>(n_rows) / 64, block_bytes = 64 * 128;
+    key.addr = w;
+    key.dtype = sm90_dtype<TA>::kMap;
+    key.rank = 5;
+    key.dims[0] = kb_elems;
+    key.dims[1] = 64;
+    key.dims[2] = k_blocks;
+    key.dims[3] = row_blocks;
+    key.dims[4] = static_cast<uint64_t>(experts);
+    key.strides[0] = 128;
+    key.strides[1] = block_bytes;
+    key.strides[2] = k_blocks * block_bytes;
+    key.strides[3] = row_blocks * k_blocks * block_bytes;
+    key.box[0] = static_cast<uint32_t>(kb_elems);
+    key.box[1] = 64;
+    key.box[2] = 1;
+    key.box[3] = static_cast<uint32_t>(w_box_rows / 64);
+    key.box[4] = 1;
+    key.promotion = promotion;
+    return sm90_tensor_map(key, map, st);
 }
 
 const char *const sm90_quant_names[] = {"", ", fp8 tensor", ", fp8 block"};

@@ -180,6 +180,13 @@ typedef struct mx_experts_problem {
      * above, router logits of E_global experts), or NULL when the caller
      * routed. The CUDA engine fuses it with its sort when M is small. */
     const mx_routing_problem *routing;
+    /* 1: w13 and w2 hold the packed layout of the Hopper kernels, each
+     * expert's [N, K] as [N / 64, K / (128 bytes), 64, 128 bytes] (every
+     * 64-row block of a 128-byte k slice one contiguous 8 KB piece; biases
+     * and scales keep their layout). Needs N multiples of 64 rows and K of
+     * 128 bytes, 16-bit activations, and a device the sm_90a kernels run
+     * on: other engines refuse it (MX_ERR_NOT_IMPLEMENTED). */
+    int weights_packed;
 } mx_experts_problem;
 
 /* FP8 quantizers (numerics.md "FP8"); x in F32/F16/BF16, q float8_e4m3fn bytes,
