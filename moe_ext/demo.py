@@ -12,6 +12,7 @@ import time
 import torch
 
 import moe_ext
+from moe_ext import packing
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 5e-3, torch.float32: 1e-5}
@@ -61,7 +62,9 @@ def load_like_vllm(model, checkpoint, num_experts):
 
 def reference(layer, x, logits):
     """float32 math of numerics.md on the layer's own weights (softmax routing)."""
-    w13, w2 = layer.w13_weight.float(), layer.w2_weight.float()
+    w13, w2 = (packing.unpacked(w) if layer.weights_packed else w
+               for w in (layer.w13_weight, layer.w2_weight))
+    w13, w2 = w13.float(), w2.float()
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, layer.top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -3,7 +3,7 @@ C engine (moe_ext._C.MoECore). The module owns the parameters (so state_dict()
 works) and vLLM's loading logic; every forward is one C call."""
 import torch
 
-from . import _C, fp8_online
+from . import _C, fp8_online, packing
 from .expert_map import PLACEMENT_STRATEGIES, determine_expert_map, local_expert_ids
 from .weight_loading import ExpertWeightLoader
 
@@ -50,7 +50,8 @@ class UnquantizedFusedMoEMethod:
             register("w2_bias", num_experts, hidden_size)
 
     def process_weights_after_loading(self, layer):
-        """Nothing to convert: the engine reads the loaded layout directly."""
+        """Nothing to convert here: FusedMoE packs the weights for the Hopper kernels
+        itself (moe_ext.packing)."""
 
     def get_fused_moe_quant_config(self, layer):
         return None
@@ -151,6 +152,9 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
             quant="none" if quant is None else ("fp8_block" if quant else "fp8_tensor"))
         self._fp8_scale_names = (None, None)
         self._fp8_ready = True
+        self._weights_packed = False
+        self.register_state_dict_post_hook(_row_major_state)
+        self.register_load_state_dict_pre_hook(_unpack_before_load)
         self.quant_method.create_weights(
             layer=self, num_experts=self.local_num_experts, hidden_size=hidden_size,
             intermediate_size_per_partition=self.intermediate_size_per_partition,
@@ -261,7 +265,12 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
                       return_success=False):
         """vLLM's FusedMoE.weight_loader: copies one checkpoint tensor into its slice of
         `param` (online FP8 layers quantize each expert as soon as it is complete).
-        Returns False (with return_success=True) for experts on other EP ranks."""
+        Returns False (with return_success=True) for experts on other EP ranks.
+        Packed weights are unpacked first; process_weights_after_loading() packs
+        them again."""
+        if self._weights_packed and any(param is self._parameters.get(name)
+                                        for name in ("w13_weight", "w2_weight")):
+            self._set_weights_packed(False)
         if getattr(self.quant_method, "uses_meta_device", False):
             return fp8_online.moe_weight_loader(self, param, loaded_weight, weight_name,
                                                 shard_id, expert_id, return_success)
@@ -269,8 +278,27 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
                                         return_success)
 
     def process_weights_after_loading(self):
-        """Idempotent: hands the loaded weights to the quant method."""
+        """Idempotent: hands the loaded weights to the quant method, then packs w13 / w2
+        for the Hopper kernels where the layer's device and shapes allow it
+        (moe_ext.packing; unpacks them where they no longer do)."""
         self.quant_method.process_weights_after_loading(self)
+        w13, w2 = self._parameters["w13_weight"], self._parameters["w2_weight"]
+        self._set_weights_packed(packing.enabled() and packing.packable(self.params_dtype, w13, w2))
+
+    @property
+    def weights_packed(self):
+        """Whether w13_weight / w2_weight hold the packed layout of the Hopper kernels
+        (moe_ext.packing; packing.unpacked(layer.w13_weight) gives the row-major form)."""
+        return self._weights_packed
+
+    def _set_weights_packed(self, packed):
+        if packed == self._weights_packed:
+            return
+        convert = packing.pack_ if packed else packing.unpack_
+        for name in ("w13_weight", "w2_weight"):
+            convert(self._parameters[name])
+        self._weights_packed = packed
+        self._core.weights_packed = packed
 
     # ---- reductions vLLM model code asks the layer about (seed 001) ----
     def must_reduce_shared_expert_outputs(self):
@@ -350,6 +378,20 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
                 if self.weight_loader(param, loaded_weight, new_name, shard_id=shard_id,
                                       expert_id=expert_id, return_success=True):
                     yield param_name
+
+
+def _row_major_state(layer, state, prefix, local_metadata):
+    """state_dict() holds the row-major layout, packed or not (a copy where packed)."""
+    if layer._weights_packed:
+        for name in ("w13_weight", "w2_weight"):
+            if prefix + name in state:
+                state[prefix + name] = packing.unpacked(state[prefix + name])
+
+
+def _unpack_before_load(layer, state, prefix, *unused):
+    """load_state_dict() writes row-major weights: a packed layer is unpacked first (and
+    packed again by process_weights_after_loading(), as after the weight loader)."""
+    layer._set_weights_packed(False)
 
 
 def _checked_custom_routing(topk_weights, topk_ids, num_tokens, num_experts):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import moe_ext
-from moe_ext import Fp8OnlineConfig, FusedMoE
+from moe_ext import Fp8OnlineConfig, FusedMoE, packing
 from helpers import capture_forward, keep_rows, randn, replay
 import reference as ref
 from test_loading import build_model, checkpoint, vllm_load
@@ -253,12 +253,14 @@ CONFIGS = [
 
 
 def dequantized(layer):
-    """The layer's FP8 weights as float64 (w13, w2)."""
+    """The layer's FP8 weights as float64 (w13, w2), row-major where the layer packed them."""
+    w13, w2 = (packing.unpacked(w) if layer.weights_packed else w
+               for w in (layer.w13_weight, layer.w2_weight))
     if layer.quant_method.weight_block_size is None:
-        return (ref.fp8_dequant_tensor(layer.w13_weight, layer.w13_weight_scale),
-                ref.fp8_dequant_tensor(layer.w2_weight, layer.w2_weight_scale))
-    return (ref.fp8_dequant_block(layer.w13_weight, layer.w13_weight_scale_inv),
-            ref.fp8_dequant_block(layer.w2_weight, layer.w2_weight_scale_inv))
+        return (ref.fp8_dequant_tensor(w13, layer.w13_weight_scale),
+                ref.fp8_dequant_tensor(w2, layer.w2_weight_scale))
+    return (ref.fp8_dequant_block(w13, layer.w13_weight_scale_inv),
+            ref.fp8_dequant_block(w2, layer.w2_weight_scale_inv))
 
 
 def fp8_reference(layer, x, logits, activation="silu", gated=True, act_amax_ulps=0):
