@@ -5,7 +5,9 @@
 # Usage, on the lent GPU from the repository root:
 #   bash benchmarks/ab_bench.sh "DIR..." ROUNDS "bench_moe.py args" ["bench_moe.py args" ...]
 # Each DIR holds _C.abi3.so.gz (gzip -c moe_ext/_C.abi3.so of a build made here and carried in the
-# working tree); it runs from a copy of moe_ext/*.py beside that module. Read the result with
+# working tree); it runs from a copy of moe_ext/*.py beside that module, with the NAME=value words
+# of DIR/env (if there is one) in its environment (e.g. MOE_EXT_PACKED_WEIGHTS=0: two layouts of
+# one build). Read the result with
 #   mkdir r && tar xzf ab.tgz -C r && python3 benchmarks/ab_compare.py r A B
 set -u
 out="${OUT:-ab_out}"
@@ -30,9 +32,12 @@ for round in $(seq 1 "$rounds"); do
       # the spec's index first: two specs alike in their first 40 characters stay two files
       tag="s${i}_$(echo "$spec" | tr -c 'a-z0-9\n' '_' | cut -c1-40)"
       file="$runs/$name-r$round-$tag"
-      # word splitting of $spec is wanted: it is a list of bench_moe.py arguments
+      settings=""
+      [ -f "$dir/env" ] && settings=$(cat "$dir/env")
+      # word splitting of $settings and $spec is wanted: lists of NAME=value words and of
+      # bench_moe.py arguments
       # shellcheck disable=SC2086
-      PYTHONPATH="/tmp/ab_builds/$name" python3 benchmarks/bench_moe.py $spec --baselines '' \
+      env $settings PYTHONPATH="/tmp/ab_builds/$name" python3 benchmarks/bench_moe.py $spec --baselines '' \
         --out "$file.json" > "$file.log" 2>&1 || tail -5 "$file.log"
       tar czf "$out/ab.tgz" -C "$runs" .
       echo "$name round $round: $tag $(date +%T)"
