@@ -164,9 +164,9 @@ def test_packed_fp8_reload_requantizes(method, gen):
 
 @pytest.mark.parametrize("m", [2, 40, 512])
 def test_packed_reads_misaligned_x(m, gen, monkeypatch):
-    """x whose data pointer is off 16 bytes: copied into the workspace for the TMA loads."""
+    """x whose data pointer is not 16-byte aligned: copied into the workspace for the TMA loads."""
     e, k, h, i = 8, 2, 256, 128
-    packed, _, _, reference = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
+    packed, _, _, _ = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
     x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     storage = torch.empty(m * h + 1, dtype=torch.bfloat16, device="cuda")
     shifted = storage[1:].view(m, h)

@@ -111,9 +111,10 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     plan->total_bytes = at;
 }
 
-/* TMA needs 16-byte row strides and bases: x, the weights and the
- * workspace (act and y are 256-byte aligned pieces of it). Otherwise the
- * plan takes the mma.sync configs. */
+/* TMA needs 16-byte row strides and bases: x (or its copy in the
+ * workspace, x_staged), the weights and the workspace (act and y are
+ * 256-byte aligned pieces of it). Otherwise the plan takes the mma.sync
+ * configs. */
 int tma_usable(const mx_experts_problem *p, const void *workspace)
 {
     return p->hidden_size % 8 == 0 && p->intermediate_size % 8 == 0 &&
