@@ -340,6 +340,16 @@ def layer_bytes(layer):
     return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
+def row_major_params(moe_ext, layer):
+    """The layer's parameters as the baselines read them: w13 / w2 row-major (copies where
+    process_weights_after_loading packed them, moe_ext/packing.py)."""
+    params = dict(layer.named_parameters())
+    if layer.weights_packed:
+        for name in ("w13_weight", "w2_weight"):
+            params[name] = moe_ext.packing.unpacked(params[name])
+    return params
+
+
 def touched_weights(m, dtype, logits, correction_bias):
     """(experts the routing of logits hits, their weight bytes in dtype, biases included)."""
     hit = route(logits, m, correction_bias)[1].unique().numel()
@@ -456,6 +466,7 @@ def bench_model(moe_ext, m, dtype, tokens, baselines, ctx, points):
                                      dtype))
         ours = measure(case, "moe_ext", lambda layer: layer(case.x, case.logits), layers,
                        graph=True)
+        ours["weights_packed"] = layers[0].weights_packed
         if M == tokens[0] and ours["status"] == "ok":
             ours["host_us"] = host_overhead_us(lambda: layers[0](case.x, case.logits))
         previous_us = ctx["previous"].get((m.name, dtype, M))
@@ -464,7 +475,7 @@ def bench_model(moe_ext, m, dtype, tokens, baselines, ctx, points):
             ours["speedup_vs_previous"] = previous_us / ours["us"]
         row = [ours]
         if dtype == "bf16":
-            param_sets = [dict(layer.named_parameters()) for layer in layers]
+            param_sets = [row_major_params(moe_ext, layer) for layer in layers]
             for name in baselines:
                 row.append(bench_baseline(case, name, param_sets, correction_bias))
                 if ours["us"] and row[-1].get("us"):

@@ -1,5 +1,6 @@
 """The benchmark tools that run without a GPU: compare_anchor.py scores a committed H200 result
-against issue 5's anchor table (recomputed here from the result's points)."""
+against issue 5's anchor table (recomputed here from the result's points); bench_moe.py hands its
+baselines row-major weights."""
 import json
 import math
 import os
@@ -44,3 +45,20 @@ def test_roofline_uses_the_streaming_read_ceiling():
     assert abs(compare_anchor.roofline_us(point, ceilings) - 100.0) < 1e-9  # 4e8 B / 4 TB/s
     del ceilings["stream_read_tbps"]  # older results: the copy figure
     assert abs(compare_anchor.roofline_us(point, ceilings) - 200.0) < 1e-9
+
+
+def test_baselines_read_row_major_weights_of_a_packed_layer():
+    """bench_moe.py's baselines multiply by w13 / w2 row-major even where the layer packed them."""
+    import torch
+    import moe_ext
+    import bench_moe
+    from helpers import expert_weights, make_layer
+    gen = torch.Generator().manual_seed(0)
+    weights = expert_weights(gen, 2, 128, 64, dtype=torch.bfloat16)
+    layer = make_layer(weights, num_experts=2, top_k=1, hidden_size=128, intermediate_size=64,
+                       params_dtype=torch.bfloat16)
+    layer._set_weights_packed(True)  # as on a Hopper GPU (the CPU engine would refuse to run it)
+    assert not torch.equal(layer.w13_weight, weights["w13_weight"])
+    params = bench_moe.row_major_params(moe_ext, layer)
+    for name in ("w13_weight", "w2_weight"):
+        assert torch.equal(params[name], weights[name])
