@@ -344,9 +344,8 @@ def row_major_params(moe_ext, layer):
     """The layer's parameters as the baselines read them: w13 / w2 row-major (copies where
     process_weights_after_loading packed them, moe_ext/packing.py)."""
     params = dict(layer.named_parameters())
-    if layer.weights_packed:
-        for name in ("w13_weight", "w2_weight"):
-            params[name] = moe_ext.packing.unpacked(params[name])
+    for name in ("w13_weight", "w2_weight"):
+        params[name] = moe_ext.packing.row_major(layer, name)
     return params
 
 

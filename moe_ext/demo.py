@@ -62,9 +62,7 @@ def load_like_vllm(model, checkpoint, num_experts):
 
 def reference(layer, x, logits):
     """float32 math of numerics.md on the layer's own weights (softmax routing)."""
-    w13, w2 = (packing.unpacked(w) if layer.weights_packed else w
-               for w in (layer.w13_weight, layer.w2_weight))
-    w13, w2 = w13.float(), w2.float()
+    w13, w2 = (packing.row_major(layer, name).float() for name in ("w13_weight", "w2_weight"))
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, layer.top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -152,7 +152,6 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
             quant="none" if quant is None else ("fp8_block" if quant else "fp8_tensor"))
         self._fp8_scale_names = (None, None)
         self._fp8_ready = True
-        self._weights_packed = False
         self.register_state_dict_post_hook(_row_major_state)
         self.register_load_state_dict_pre_hook(_unpack_before_load)
         self.quant_method.create_weights(
@@ -268,7 +267,7 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
         Returns False (with return_success=True) for experts on other EP ranks.
         Packed weights are unpacked first; process_weights_after_loading() packs
         them again."""
-        if self._weights_packed and any(param is self._parameters.get(name)
+        if self.weights_packed and any(param is self._parameters.get(name)
                                         for name in ("w13_weight", "w2_weight")):
             self._set_weights_packed(False)
         if getattr(self.quant_method, "uses_meta_device", False):
@@ -288,16 +287,16 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
     @property
     def weights_packed(self):
         """Whether w13_weight / w2_weight hold the packed layout of the Hopper kernels
-        (moe_ext.packing; packing.unpacked(layer.w13_weight) gives the row-major form)."""
-        return self._weights_packed
+        (moe_ext.packing; packing.row_major(layer, name) gives the row-major form). The
+        engine's flag, read by every forward, is the one record of it."""
+        return self._core.weights_packed
 
     def _set_weights_packed(self, packed):
-        if packed == self._weights_packed:
+        if packed == self.weights_packed:
             return
         convert = packing.pack_ if packed else packing.unpack_
         for name in ("w13_weight", "w2_weight"):
             convert(self._parameters[name])
-        self._weights_packed = packed
         self._core.weights_packed = packed
 
     # ---- reductions vLLM model code asks the layer about (seed 001) ----
@@ -382,7 +381,7 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
 
 def _row_major_state(layer, state, prefix, local_metadata):
     """state_dict() holds the row-major layout, packed or not (a copy where packed)."""
-    if layer._weights_packed:
+    if layer.weights_packed:
         for name in ("w13_weight", "w2_weight"):
             if prefix + name in state:
                 state[prefix + name] = packing.unpacked(state[prefix + name])

@@ -39,27 +39,25 @@ def packable(act_dtype, *weights):
     return True
 
 
-def _blocks(matrix):
-    """One expert's [N, K] as bytes [N / 64, 64, K bytes / 128, 128] (row-major view)."""
-    n, k = matrix.shape
-    return matrix.view(torch.uint8).view(n // ROWS, ROWS, -1, SLICE_BYTES)
+def _swap_block_axes_(weight, packed_now):
+    """Swaps the rows-of-a-block and k-slice axes of each expert's [N, K] bytes, in place, one
+    expert at a time (a temporary of one expert's size): row-major [N / 64, 64, K / 128 B,
+    128 B] to packed [N / 64, K / 128 B, 64, 128 B], or back where packed_now."""
+    for matrix in weight.data:
+        raw = matrix.view(torch.uint8)
+        blocks, slices = raw.shape[0] // ROWS, raw.shape[1] // SLICE_BYTES
+        axes = (slices, ROWS) if packed_now else (ROWS, slices)
+        raw.copy_(raw.view(blocks, *axes, SLICE_BYTES).transpose(1, 2).contiguous().view(raw.shape))
 
 
 def pack_(weight):
-    """Rewrites [E, N, K] row-major weights into the packed layout, in place, one
-    expert at a time (a temporary of one expert's size)."""
-    for matrix in weight.data:
-        raw = matrix.view(torch.uint8)
-        raw.copy_(_blocks(matrix).permute(0, 2, 1, 3).contiguous().view(raw.shape))
+    """Rewrites [E, N, K] row-major weights into the packed layout, in place."""
+    _swap_block_axes_(weight, packed_now=False)
 
 
 def unpack_(weight):
     """The inverse of pack_, in place."""
-    for matrix in weight.data:
-        raw = matrix.view(torch.uint8)
-        n = matrix.shape[0]
-        packed = raw.view(n // ROWS, -1, ROWS, SLICE_BYTES)
-        raw.copy_(packed.permute(0, 2, 1, 3).contiguous().view(raw.shape))
+    _swap_block_axes_(weight, packed_now=True)
 
 
 def unpacked(weight):
@@ -67,3 +65,10 @@ def unpacked(weight):
     copy = weight.detach().clone()
     unpack_(copy)
     return copy
+
+
+def row_major(layer, name):
+    """A FusedMoE's w13_weight / w2_weight in the row-major layout: the parameter itself, or an
+    unpacked copy where process_weights_after_loading() packed it."""
+    weight = getattr(layer, name)
+    return unpacked(weight) if layer.weights_packed else weight

@@ -254,8 +254,7 @@ CONFIGS = [
 
 def dequantized(layer):
     """The layer's FP8 weights as float64 (w13, w2), row-major where the layer packed them."""
-    w13, w2 = (packing.unpacked(w) if layer.weights_packed else w
-               for w in (layer.w13_weight, layer.w2_weight))
+    w13, w2 = (packing.row_major(layer, name) for name in ("w13_weight", "w2_weight"))
     if layer.quant_method.weight_block_size is None:
         return (ref.fp8_dequant_tensor(w13, layer.w13_weight_scale),
                 ref.fp8_dequant_tensor(w2, layer.w2_weight_scale))

@@ -566,7 +566,7 @@ def test_loading_peak_memory_mixtral_size(method):
     assert peak <= bound, f"peak {peak / 2 ** 20:.0f} MiB > bound {bound / 2 ** 20:.0f} MiB"
     q2, s2 = (moe_ext.scaled_fp8_quant(last["w2"].cuda()) if method == "tensor"
               else moe_ext.per_block_cast_to_fp8(last["w2"].cuda()))
-    w2 = packing.unpacked(layer.w2_weight) if layer.weights_packed else layer.w2_weight
+    w2 = packing.row_major(layer, "w2_weight")
     assert_bits_equal(w2[e - 1], q2, "last expert's w2")
     n2 = SCALES[method][1]
     assert_scales_equal(getattr(layer, n2)[e - 1].reshape(s2.shape), s2, n2)
