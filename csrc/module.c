@@ -10,6 +10,7 @@
  *     def register_torch(tensor_type, empty, stream): ...
  *     def has_exchange_api() -> bool: ...
  *     def cuda_device_count() -> int: ...   # 0 in a CPU-only build
+ *     def sm90_kernels(device_index) -> bool: ...   # the device runs the sm_90a kernels
  *     def _set_decode_fused(enabled) -> bool: ...   # the one-launch decode path
  *     def _set_sm90_down_splits(n) -> int: ...      # the persistent GEMM2's k slices
  *     def _sm90_down_split(units, slots, max_splits, k_blocks, align) -> (count, len)
@@ -92,6 +93,23 @@ static PyObject *cuda_device_count(PyObject *module, PyObject *unused)
 #endif
 }
 
+static PyObject *sm90_kernels(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    const long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+#ifdef MOE_EXT_WITH_CUDA
+    if (device < 0 || device >= mx_cuda_device_count()) {
+        PyErr_Format(PyExc_ValueError, "sm90_kernels: device_index %ld is not a CUDA device here", device);
+        return NULL;
+    }
+    return PyBool_FromLong(mx_cuda_sm90_kernels((int)device));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *set_decode_fused(PyObject *module, PyObject *arg)
 {
     (void)module;
@@ -153,6 +171,9 @@ static PyMethodDef module_methods[] = {
      "Whether tensors come in through the DLPack C exchange API (else __dlpack__)."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "Number of CUDA devices the CUDA engine sees (0 without CUDA)."},
+    {"sm90_kernels", sm90_kernels, METH_O,
+     "sm90_kernels(device_index) -> bool: whether that CUDA device runs this build's sm_90a "
+     "kernels, the only ones that read packed weights (False in a CPU-only build)."},
     {"_set_decode_fused", set_decode_fused, METH_O,
      "_set_decode_fused(enabled) -> previous: whether the CUDA engine may run a few-token forward "
      "as one launch (tests and benchmarks)."},

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from . import _C
+
 ENV_SWITCH = "MOE_EXT_PACKED_WEIGHTS"
 ROWS = 64            # weight rows of a packed block
 SLICE_BYTES = 128    # bytes of k of a packed block
@@ -25,14 +27,14 @@ def enabled():
 
 def packable(act_dtype, *weights):
     """Whether the Hopper kernels can read these [E, N, K] weights packed: a device
-    of compute capability 9.0, 16-bit activations, contiguous 16-byte aligned
-    weights of whole 64-row blocks and 128-byte k slices."""
+    that runs this build's sm_90a kernels, 16-bit activations, contiguous 16-byte
+    aligned weights of whole 64-row blocks and 128-byte k slices."""
     if act_dtype not in (torch.float16, torch.bfloat16):
         return False
     for w in weights:
         if not w.is_cuda or w.dim() != 3 or not w.is_contiguous() or w.data_ptr() % 16:
             return False
-        if torch.cuda.get_device_capability(w.device) != (9, 0):
+        if not _C.sm90_kernels(w.device.index):
             return False
         if w.shape[1] % ROWS or (w.shape[2] * w.element_size()) % SLICE_BYTES:
             return False

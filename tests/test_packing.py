@@ -1,5 +1,7 @@
 """The packed expert-weight layout (moe_ext/packing.py): the byte order it promises, its inverse,
 which layers get it, and the engine's refusals where it cannot read it (CPU)."""
+import os
+
 import pytest
 import torch
 
@@ -30,12 +32,31 @@ def test_pack_places_each_block_contiguously(dtype, gen):
 def test_packable_needs_a_hopper_gpu_and_whole_blocks(gen):
     w = randn(gen, 2, 128, 128, dtype=torch.bfloat16)
     assert not packing.packable(torch.bfloat16, w)  # CPU
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.is_available() and not moe_ext._C.sm90_kernels(torch.cuda.current_device()):
+        assert not packing.packable(torch.bfloat16, w.cuda())
+    if torch.cuda.is_available() and moe_ext._C.sm90_kernels(torch.cuda.current_device()):
         g = w.cuda()
         assert packing.packable(torch.bfloat16, g)
         assert not packing.packable(torch.float32, g)
         assert not packing.packable(torch.bfloat16, randn(gen, 2, 96, 128, device="cuda"))
         assert not packing.packable(torch.bfloat16, g[:, :, :96])
+
+
+def test_sm90_kernels_asks_about_a_device_of_this_machine():
+    count = moe_ext._C.cuda_device_count()
+    if moe_ext._C.built_with_cuda:
+        with pytest.raises(ValueError, match="device_index"):
+            moe_ext._C.sm90_kernels(count)
+        with pytest.raises(ValueError, match="device_index"):
+            moe_ext._C.sm90_kernels(-1)
+    else:
+        assert moe_ext._C.sm90_kernels(0) is False
+    with pytest.raises(TypeError):
+        moe_ext._C.sm90_kernels("0")
+    built_for_90a = "90a" in os.environ.get("MOE_EXT_CUDA_ARCHS", "80;89;90a")  # setup.py's default
+    for device in range(count):
+        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+        assert moe_ext._C.sm90_kernels(device) == (hopper and built_for_90a)
 
 
 def test_switch(monkeypatch):

@@ -250,6 +250,9 @@ int mx_cuda_device_count(void);
 /* Makes `device` current for this host thread and returns the one that was
  * (csrc/cuda/device_guard.cu); the glue restores it after the call. */
 mx_status mx_cuda_swap_device(int device, int *previous);
+/* 1 when `device` runs the sm_90a kernels of this build (compute capability
+ * 9.0, sm_90a code, a driver with TMA), which alone read packed weights. */
+int mx_cuda_sm90_kernels(int device);
 mx_status mx_cuda_route(const mx_routing_problem *p, void *stream);
 size_t mx_cuda_experts_workspace_bytes(const mx_experts_problem *p);
 /* Out-of-range ids contribute nothing on the GPU (no host sync to report them). */
