@@ -1,6 +1,7 @@
 """The benchmark tools that run without a GPU: compare_anchor.py scores a committed H200 result
 against issue 5's anchor table (recomputed here from the result's points); bench_moe.py hands its
-baselines row-major weights."""
+baselines row-major weights; persistent_reuse_model.py walks units as the persistent kernel does
+and counts a weight tile's reads by the gaps between its units."""
 import json
 import math
 import os
@@ -11,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(ROOT, "benchmarks", "results", "2026-11-22-nvidia-h200-c627e2a.json")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import compare_anchor  # noqa: E402
+import persistent_reuse_model  # noqa: E402
 
 
 def test_compare_anchor_scores_a_committed_result():
@@ -62,3 +64,20 @@ def test_baselines_read_row_major_weights_of_a_packed_layer():
     params = bench_moe.row_major_params(moe_ext, layer)
     for name in ("w13_weight", "w2_weight"):
         assert torch.equal(params[name], weights[name])
+
+
+def test_reuse_model_walks_units_as_the_kernel_and_counts_reads_by_gaps():
+    model = persistent_reuse_model
+    # experts of 1, 2 and 9 tiles: the 9-tile expert straddles the first group of 8 m tiles
+    order = model.walk([1, 2, 9], n_tiles=2)
+    assert order[:8] == [(0, 0), (1, 0), (1, 0), (2, 0), (2, 0), (2, 0), (2, 0), (2, 0)]
+    assert order[8:16] == [(0, 1), (1, 1), (1, 1)] + [(2, 1)] * 5
+    assert order[16:] == [(2, 0)] * 4 + [(2, 1)] * 4
+    # equal unit times: dealing dynamically starts every unit when static dealing does
+    equal = [1.0] * (3 * model.CTAS + 5)
+    assert model.start_times(equal, True) == model.start_times(equal, False)
+    # a tile whose units start a round apart is read twice when L2 keeps it for less than a round
+    units = [(0, 0)] * model.CTAS + [(0, 0)]
+    times = [1.0] * len(units)
+    assert model.read_factor(units, times, life=0.5, dynamic=False) == 2
+    assert model.read_factor(units, times, life=1.5, dynamic=False) == 1
