@@ -66,13 +66,17 @@ def layer_pair(gen, dtype, e, k, h, i, kw, monkeypatch):
     return packed, row_major, weights, reference
 
 
+def forward_inputs(gen, m, h, e, dtype=torch.bfloat16):
+    """x [m, h] and router logits [m, e] on the GPU, drawn in that order."""
+    return randn(gen, m, h, dtype=dtype, device="cuda"), randn(gen, m, e, device="cuda", scale=2.0)
+
+
 @pytest.mark.parametrize("case", CASES_16BIT, ids=[c[0] for c in CASES_16BIT])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_packed_16bit_matches_row_major(case, dtype, gen, monkeypatch):
     _, kw, e, k, h, i, m, fused = case
     packed, row_major, _, reference = layer_pair(gen, dtype, e, k, h, i, kw, monkeypatch)
-    x = randn(gen, m, h, dtype=dtype, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    x, logits = forward_inputs(gen, m, h, e, dtype)
     with decode_fused(fused):
         out = packed(x, logits)
         row_major_out = row_major(x, logits)
@@ -111,8 +115,7 @@ def test_packed_fp8_matches_row_major(case, method, gen, monkeypatch):
         bits = lambda t: t.view(torch.uint8)
         assert torch.equal(bits(packing.unpacked(packed._parameters[name])),
                            bits(row_major._parameters[name]))
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    x, logits = forward_inputs(gen, m, h, e)
     with decode_fused(fused):
         out = packed(x, logits)
         want_bits = row_major(x, logits)
@@ -137,8 +140,7 @@ def test_packed_reload_unpacks_and_repacks(gen, monkeypatch):
     assert torch.equal(packed.w13_weight, weights["w13_weight"])
     fresh = make_layer(dict(weights, w2_weight=expect_w2), num_experts=e, top_k=k, hidden_size=h,
                        intermediate_size=i, params_dtype=torch.bfloat16, device="cuda")
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    x, logits = forward_inputs(gen, m, h, e)
     assert torch.equal(packed(x, logits), fresh(x, logits))
     packed.process_weights_after_loading()
     assert packed.weights_packed and packed.w13_weight.data_ptr() == storage
@@ -157,8 +159,7 @@ def test_packed_fp8_reload_requantizes(method, gen):
     assert layer.weights_packed, "vllm_load ends with process_weights_after_loading()"
     model2, fresh = fp8_model("mixtral", method, "cuda", e=e, k=k, h=h, i=i)
     vllm_load(model2, ckpt2, "mixtral", num_experts=e)
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    x, logits = forward_inputs(gen, m, h, e)
     assert torch.equal(layer(x, logits), fresh(x, logits))
 
 
@@ -167,12 +168,11 @@ def test_packed_reads_misaligned_x(m, gen, monkeypatch):
     """x whose data pointer is not 16-byte aligned: copied into the workspace for the TMA loads."""
     e, k, h, i = 8, 2, 256, 128
     packed, _, _, _ = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
+    x, logits = forward_inputs(gen, m, h, e)
     storage = torch.empty(m * h + 1, dtype=torch.bfloat16, device="cuda")
     shifted = storage[1:].view(m, h)
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 and shifted.is_contiguous()
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
     assert torch.equal(packed(shifted, logits), packed(x, logits))
 
 
@@ -180,12 +180,10 @@ def test_packed_reads_misaligned_x(m, gen, monkeypatch):
 def test_packed_cuda_graph_replay(m, gen, monkeypatch):
     e, k, h, i = 8, 2, 256, 128
     packed, _, _, reference = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
-    static_x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    static_logits = randn(gen, m, e, device="cuda", scale=2.0)
+    static_x, static_logits = forward_inputs(gen, m, h, e)
     graph, static_out = capture_forward(packed, static_x, static_logits)
     for _ in range(2):
-        x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-        logits = randn(gen, m, e, device="cuda", scale=2.0)
+        x, logits = forward_inputs(gen, m, h, e)
         replay(graph, static_x, static_logits, x, logits, static_out)
         want, margin = reference(x, logits)
         check(static_out, want, margin, torch.bfloat16)
@@ -222,6 +220,5 @@ def test_packed_state_dict_is_row_major(gen, monkeypatch):
     packed.process_weights_after_loading()
     assert packed.weights_packed
     row_major.load_state_dict(new, strict=False)
-    x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
-    logits = randn(gen, m, e, device="cuda", scale=2.0)
+    x, logits = forward_inputs(gen, m, h, e)
     assert torch.equal(packed(x, logits), row_major(x, logits))

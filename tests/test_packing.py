@@ -32,14 +32,16 @@ def test_pack_places_each_block_contiguously(dtype, gen):
 def test_packable_needs_a_hopper_gpu_and_whole_blocks(gen):
     w = randn(gen, 2, 128, 128, dtype=torch.bfloat16)
     assert not packing.packable(torch.bfloat16, w)  # CPU
-    if torch.cuda.is_available() and not moe_ext._C.sm90_kernels(torch.cuda.current_device()):
-        assert not packing.packable(torch.bfloat16, w.cuda())
-    if torch.cuda.is_available() and moe_ext._C.sm90_kernels(torch.cuda.current_device()):
-        g = w.cuda()
-        assert packing.packable(torch.bfloat16, g)
-        assert not packing.packable(torch.float32, g)
-        assert not packing.packable(torch.bfloat16, randn(gen, 2, 96, 128, device="cuda"))
-        assert not packing.packable(torch.bfloat16, g[:, :, :96])
+    if not torch.cuda.is_available():
+        return
+    g = w.cuda()
+    if not moe_ext._C.sm90_kernels(g.device.index):
+        assert not packing.packable(torch.bfloat16, g)
+        return
+    assert packing.packable(torch.bfloat16, g)
+    assert not packing.packable(torch.float32, g)
+    assert not packing.packable(torch.bfloat16, randn(gen, 2, 96, 128, device="cuda"))
+    assert not packing.packable(torch.bfloat16, g[:, :, :96])
 
 
 def test_sm90_kernels_asks_about_a_device_of_this_machine():
