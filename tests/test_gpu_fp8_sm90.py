@@ -22,7 +22,7 @@ import moe_ext
 from helpers import capture_forward, down_splits, kernels_of, on_hopper, randn, replay
 from test_fp8 import CONFIGS, FP8_TOL, METHODS, compare, fp8_model, fp8_reference
 import test_gpu_sm90
-from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, PING_PONG_SHAPE, expected_gemm_kernel
+from test_gpu_sm90 import PAIR_SHAPE, PERSISTENT_KERNEL, PING_PONG_SHAPE, deals_units, expected_gemm_kernel
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not moe_ext.cuda_available(), reason="needs CUDA")]
@@ -32,9 +32,9 @@ DECODE_FP8 = "grouped_gemm_sm90_decode_kernel<__nv_fp8_e4m3"
 DECODE_DOWN_FP8 = "grouped_gemm_sm90_decode_down_kernel<"  # FP8 GEMM2 at decode (persistent)
 WIDE_SHAPE = "mx_sm90_shape<256, 4, 1, 8, false>"  # the persistent kernel's 128x256 tiles
 NARROW_SHAPE = "mx_sm90_shape<128, 6, 1, 8, false>"  # its 128x128 tiles (block scales, gated GEMM1, I % 128 != 0)
-# the persistent FP8 GEMM1 (kinds 0-2; 3 is GEMM2): its last template argument, A_BY_TOKEN
+# the persistent FP8 GEMM1 (kinds 0-2; 3 is GEMM2): its template arguments A_BY_TOKEN, then DEALT
 PERSISTENT_GEMM1_FP8 = re.compile(r"grouped_gemm_sm90_kernel<__nv_fp8_e4m3, .*mx_sm90_shape<[^>]*>, [012], [12], "
-                                  r"(true|false)>")
+                                  r"(true|false), (?:true|false)>")
 
 
 def ping_pong_units(method, cfg, rows_per_expert, h, i, experts):
@@ -136,6 +136,27 @@ def test_fp8_ping_pong_units(method, cfg, gen):
         check_persistent_shapes(names, ping_pong)
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]], ids=[CONFIGS[0][0], CONFIGS[2][0]])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fp8_dealt_units_many_per_cta(method, cfg, gen):
+    """The FP8 persistent kernels on single CTAs take their units from a counter through a 4-slot
+    shared-memory ring (csrc/cuda/sm90_units.cuh), many per CTA: 200 rows of 64 local experts
+    (128 m tiles), H = 1040 and I = 1088 (a multiple of 64, not of 128: block scales keep the
+    wgmma kernels, on 128-wide tiles for the gated GEMM1) give GEMM1 9 n tiles (block-scale gated:
+    17) and GEMM2 5 or 9, so each CTA of 132 takes 4-17 units per GEMM and the ring wraps; GEMM2
+    takes the counter from zero only if GEMM1's last taker reset it. From 256 rows per expert
+    (gemm_configs.cuh mx_sm90_deals_units) the units go round robin: 400 rows of 32 experts."""
+    e, k, h, i = 64, 4, 1040, 1088
+    for rows, experts, dealt in ((200, e, True), (400, e // 2, False)):
+        layer = loaded(gen, "qwen", method, torch.bfloat16, experts, k, h, i, cfg)
+        names = checked_forward(gen, layer, rows * experts // k, experts, f"fp8 {method} {cfg[0]} {rows} rows",
+                                cfg=cfg)
+        if on_hopper():
+            wgmma = [n for n in names if WGMMA_FP8 in n]
+            assert len(wgmma) == 2 and not any(PAIR_SHAPE in n for n in wgmma), names
+            assert all(deals_units(n) == dealt for n in wgmma), names
+
+
 SILU_BIAS = ("silu-bias", dict(activation="silu", has_bias=True), True, True, False)
 
 
@@ -217,8 +238,8 @@ def test_fp8_block_persistent_tile_widths(h, i, m, cfg, gen):
         gemm1 = WIDE_SHAPE if i % 128 == 0 else NARROW_SHAPE
         gemm2 = WIDE_SHAPE if m * k >= 512 * e else NARROW_SHAPE
         # both by sorted row (A_BY_TOKEN false) from 128 rows per expert
-        assert any(WGMMA_FP8 in n and f"{gemm1}, 0, 2, false>" in n for n in names), f"GEMM1 not on {gemm1}: {names}"
-        assert any(WGMMA_FP8 in n and f"{gemm2}, 3, 2, false>" in n for n in names), f"GEMM2 not on {gemm2}: {names}"
+        assert any(WGMMA_FP8 in n and f"{gemm1}, 0, 2, false, " in n for n in names), f"GEMM1 not on {gemm1}: {names}"
+        assert any(WGMMA_FP8 in n and f"{gemm2}, 3, 2, false, " in n for n in names), f"GEMM2 not on {gemm2}: {names}"
         # the wide gated GEMM1 quantizes act in its epilogue: x's group quantizer is the only one
         quantizers = [n for n in names if "group_quant" in n]
         assert len(quantizers) == (1 if gemm1 == WIDE_SHAPE else 2), names

@@ -3,6 +3,8 @@ so that a Hopper GPU takes the sm_90a wgmma kernels (gemm_configs.cuh mx_select_
 the persistent kernel from 64 rows per expert, the decode kernel (operands swapped, 16- / 32- /
 48- / 64-token tiles, split-K) below, but from 24 rows per expert with H, I <= 2048 (any H, I
 from 32 local experts) the persistent kernel's ping-pong 64-row units. Other GPUs run the mma.sync tiles through the same checks."""
+import re
+
 import pytest
 import torch
 
@@ -18,6 +20,14 @@ DECODE_KERNEL = "grouped_gemm_sm90_decode_kernel"
 PERSISTENT_KERNEL = "grouped_gemm_sm90_kernel"
 PAIR_SHAPE = "mx_sm90_shape<256, 4, 2, 8, false>"  # the persistent kernel's 128x256 tiles in 2-CTA clusters
 PING_PONG_SHAPE = "mx_sm90_shape<256, 5, 1, 8, true>"  # its ping-pong 64-row units
+
+
+def deals_units(name):
+    """Whether a persistent kernel (by its profiler name) took its units from the counter: its last
+    template argument, DEALT."""
+    found = re.search(r", (true|false)>(?:\(|$)", name)
+    assert found, name
+    return found.group(1) == "true"
 
 
 def ping_pong_units(rows_per_expert, h, i, experts, interleaved=False, min_rows=24, max_rows=64):
@@ -175,6 +185,38 @@ def test_ping_pong_units(cfg, dtype, e, h, gen):
             assert len(units) == 2 and all(PING_PONG_SHAPE in n for n in units), names
         else:
             assert not units, names
+
+
+# (rows per local expert, local experts): 200 rows (two 128-row m tiles) of 64 experts, or 40
+# rows (one ping-pong 64-row unit) of 128 experts, dealt; 400 rows of 32 experts, round robin
+DEALT_UNITS = {"cooperative": (200, 64), "ping-pong": (40, 128), "round-robin": (400, 32)}
+
+
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("units", list(DEALT_UNITS))
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
+def test_dealt_units_many_per_cta(cfg, units, splits, gen):
+    """Single CTAs of the persistent kernel take their units from a counter, handed on through a
+    4-slot ring in shared memory (csrc/cuda/sm90_units.cuh). H = 1032 and I = 1040 (k tails,
+    partial n tiles) give GEMM1 9 n tiles and GEMM2 5 (the last past H): 1152 / 640 cooperative
+    units, 1152 / 640 ping-pong ones, so on 132 SMs each CTA takes 4-9 units per GEMM and the ring
+    wraps; GEMM2 in 3 k slices (forced; cooperative only) makes 1920. GEMM2 takes the counter
+    from zero only if GEMM1's last taker reset it. From 256 rows per expert the units go round
+    robin (gemm_configs.cuh mx_sm90_deals_units): 400 rows of 32 experts, as many units."""
+    _, _, _, kw, corr = cfg
+    rows, e = DEALT_UNITS[units]
+    k = 4
+    if units == "ping-pong" and (splits or kw.get("activation") == "swigluoai"):
+        pytest.skip("ping-pong units take no k slices, and the rule keeps the interleaved GEMM1's "
+                    "layers off them")
+    layer, _, reference = cuda_case(gen, torch.bfloat16, e, dict(kw, top_k=k), corr, h=1032, i=1040)
+    with down_splits(splits):
+        names = checked_forward(gen, torch.bfloat16, layer, reference, rows * e // k, e)
+    if on_hopper():
+        persistent = [n for n in names if PERSISTENT_KERNEL in n]
+        assert len(persistent) == 2 and not any(PAIR_SHAPE in n for n in persistent), names
+        assert all((PING_PONG_SHAPE in n) == (units == "ping-pong") for n in persistent), names
+        assert all(deals_units(n) == (units != "round-robin") for n in persistent), names
 
 
 @pytest.mark.parametrize("rows_per_expert", [40, 100])

@@ -79,6 +79,10 @@ typedef struct mx_gemm_args {
                                      (gemm_configs.cuh mx_sm90_down_split; exactly k_splits with
                                      split_exact) and writes it here for moe_sum; k_split_len unused */
     int split_exact;
+    int32_t *units_taken;         /* the persistent Hopper kernel on single CTAs: a counter its CTAs take
+                                     their work units from, zero at launch and left zero
+                                     (sm90_units.cuh; gemm_configs.cuh mx_sm90_deals_units); NULL:
+                                     round robin */
 } mx_gemm_args;
 
 #ifdef __cplusplus
@@ -87,7 +91,7 @@ extern "C" {
 
 /* moe_align.cu. align_ws: mx_moe_align_workspace_bytes(pairs,
  * local_experts) of int32 scratch; sorted_ids: [rows_max]; tile_expert:
- * [tiles_max]; num_tiles: [1]; pair_rows: [pairs] or NULL (moe_align.cuh). */
+ * [tiles_max]; num_tiles: [2]; pair_rows: [pairs] or NULL (moe_align.cuh). */
 size_t mx_moe_align_workspace_bytes(int64_t pairs, int64_t local_experts);
 mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, int64_t pairs,
                             int64_t global_experts, int64_t local_experts, int block_m, int32_t *align_ws,

@@ -211,6 +211,7 @@ typedef struct mx_fp8_gemm_args {
     int64_t out_split_stride;   /* elements between y slices */
     int32_t *split_count;       /* persistent Hopper GEMM2: as in mx_gemm_args */
     int split_exact;
+    int32_t *units_taken;       /* persistent Hopper GEMMs: as in mx_gemm_args */
 } mx_fp8_gemm_args;
 
 #ifdef __cplusplus

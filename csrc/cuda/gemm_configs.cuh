@@ -55,6 +55,8 @@ typedef mx_tile_shape<128, 128, 2, 4, 3, 2, 0> mx_tile_large;
 /* ---- sm_90a (Hopper) wgmma path, grouped_gemm_sm90_impl.cuh ---------------- */
 
 constexpr int kSm90BlockM = 128; /* also moe_align's block_m for this path */
+/* slots of the ring that hands a CTA its dealt work units (sm90_units.cuh) */
+constexpr int kSm90UnitRing = 4;
 
 /* PING_PONG: each math warpgroup takes whole units of its own, 64 rows x BN
  * (moe_align's block_m 64), the two in turn on the one ring, so that one's
@@ -78,8 +80,11 @@ struct mx_sm90_shape {
     static constexpr uint32_t kStageBytes = kABytes + kWBytes;
     /* 1024 bytes of slack to align the slots to the swizzle atom, then the
      * slots, then full and empty barriers (8 bytes each; ping-pong: and the
-     * two warpgroups' turn barriers) */
-    static constexpr size_t kSmemBytes = 1024 + size_t(STAGES) * kStageBytes + 2 * 8 * STAGES + (PING_PONG ? 16 : 0);
+     * two warpgroups' turn barriers), then the unit ring (full and empty
+     * barriers, int32 slots: sm90_units.cuh) */
+    static constexpr size_t kUnitRingBytes = 20 * kSm90UnitRing;
+    static constexpr size_t kSmemBytes =
+        1024 + size_t(STAGES) * kStageBytes + 2 * 8 * STAGES + (PING_PONG ? 16 : 0) + kUnitRingBytes;
     /* interleaved GEMM1's act tile on its way out (TMA store), between the
      * slots and the barriers of that kind's kernel: per math warpgroup 64
      * rows x BN/2 16-bit columns, as BN/128 boxes of 64 x 64 (8 KB) */
@@ -549,6 +554,26 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
     if (pairs < kSm90MinRowsPerExpert * e)
         return mx_select_sm90_decode_config(pairs, e);
     return pairs >= kSm90PairMinRowsPerExpert * e ? MX_TILE_SM90_PAIR : MX_TILE_SM90;
+}
+
+/* The persistent kernel on single CTAs takes its units from a counter
+ * (sm90_units.cuh) below kSm90DealMaxRowsPerExpert rows per local expert
+ * (fewer than two 128-row m tiles on average), round robin from there.
+ * Dealing every such GEMM against round robin, forwards, H100, 2026-11-28,
+ * two calls of two rounds (logs/2026-11-28-nvidia-h100-ab-dealt-units.txt):
+ * at ~128 rows per expert -8..-16% (gpt-oss bf16 M = 4096 -14%,
+ * DeepSeek-V3 fp8_block M = 1024 -16%, Mixtral bf16 M = 512 -8%), on
+ * ping-pong units -5..-10% (qwen3moe FP8 M = 1024); at 256 rows
+ * +0.3..+3.4% (qwen3moe M = 4096, Mixtral M = 1024); at 512 and more
+ * +1..+4.6% per tensor and 16-bit (gpt-oss bf16, DeepSeek-V3 fp8_tensor
+ * M = 16384), -4..-7% with block scales (not taken: one rule). With this
+ * rule, one round over M = 1024 / 4096 / 16384: 0.979 of round robin's
+ * time (geometric mean of 33 forwards). */
+constexpr int64_t kSm90DealMaxRowsPerExpert = 2 * kSm90BlockM;
+
+static inline bool mx_sm90_deals_units(int64_t pairs, int64_t local_experts)
+{
+    return pairs < kSm90DealMaxRowsPerExpert * (local_experts > 0 ? local_experts : 1);
 }
 
 /* Split-K of GEMM2 (the down projection): with few experts (Mixtral: 2 at

@@ -15,7 +15,8 @@ extern "C" int mx_cuda_sm90_gemm_available(void)
             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
             major == 9 && minor == 0 &&
             cudaFuncGetAttributes(&attr, grouped_gemm_sm90_kernel<__nv_bfloat16, __nv_bfloat16, mx_tile_sm90,
-                                                                  MX_GEMM_DOWN, MX_QUANT_NONE, false>) == cudaSuccess;
+                                                                  MX_GEMM_DOWN, MX_QUANT_NONE, false, false>) ==
+                cudaSuccess;
         /* The code the device runs must come from the sm_90a pass: PTX JIT-compiled
          * from an older virtual architecture reports ptxVersion < 90 and holds
          * only the trapping stub. (A build targeting plain sm_90 without the 'a'

@@ -83,6 +83,7 @@ extern "C" mx_status mx_cuda_grouped_gemm_fp8_sm90(const mx_fp8_gemm_args *f, mx
     g.out_split_stride = f->out_split_stride;
     g.split_count = f->split_count;
     g.split_exact = f->split_exact;
+    g.units_taken = f->units_taken;
     g.rows = kind == MX_GEMM_LINEAR ? f->rows : 0;
     g.pairs = kind == MX_GEMM_LINEAR ? 0 : f->pairs;
     g.y_by_sorted_row = f->y_by_sorted_row;

@@ -62,12 +62,15 @@
  * CTA pulls 32 instead of 48 KB per k block from L2; otherwise each loads
  * both boxes itself. Either way every slot receives the same bytes, and a
  * slot is refilled only when the math warps of both CTAs released it.
- * Scheduling: persistent, one CTA per SM (grid = the co-resident clusters);
- * a cluster walks units cluster, + clusters, ... of (m units in use) x
- * n_tiles, read off the tile table moe_align wrote (*num_tiles,
- * tile_expert) on the device, so nothing is read back to the host. Unit
- * order: groups of kGroupM m units, m fastest inside a group, so that the
- * CTAs running together share weight slices and A rows in L2. GEMM2 may
+ * Scheduling: persistent, one CTA per SM (grid = the co-resident clusters)
+ * over the units of (m units in use) x n_tiles, read off the tile table
+ * moe_align wrote (*num_tiles, tile_expert) on the device, so nothing is
+ * read back to the host. Unit order: groups of kGroupM m units, m fastest
+ * inside a group, so that the CTAs running together share weight slices
+ * and A rows in L2. Single CTAs given g.units_taken (gemm_configs.cuh
+ * mx_sm90_deals_units) take their units from that counter as they come
+ * free; otherwise, and CTA pairs always, cluster c walks units c,
+ * c + clusters, ... (sm90_units.cuh says why and how). GEMM2 may
  * cut K into slices (g.k_splits > 1: at most that many; the count picked on
  * the device from the tiles in use, gemm_configs.cuh mx_sm90_down_split,
  * and written to *g.split_count for moe_sum): the units then repeat per
@@ -90,6 +93,7 @@
 #include "grouped_gemm_sm90.cuh"
 #include "grouped_gemm_sm90_epilogue.cuh"
 #include "sm90_common.cuh"
+#include "sm90_units.cuh"
 
 namespace {
 
@@ -219,7 +223,10 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
 /* ---- kernels ----------------------------------------------------------------------- */
 
 /* TA: operand type (bfloat16 / float16, or float8_e4m3 with QUANT an FP8
- * mode); T: act / bias type. A_BY_TOKEN (GEMM1 kinds only): the producer
+ * mode); T: act / bias type. DEALT: the units come from g.units_taken
+ * (single CTAs), else round robin (sm90_units.cuh); round robin keeps the
+ * code it was measured with, so that a forward that does not deal runs as
+ * before. A_BY_TOKEN (GEMM1 kinds only): the producer
  * warpgroup copies the A rows by token, x[pair / top_k] (16-bit: always) or
  * x_q's (FP8), with cp.async; else thread 0 TMA-loads them by sorted row
  * (FP8: rows the x quantizer wrote in sorted order; GEMM2: act). Measured
@@ -246,7 +253,7 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
  * one set of BN/4 (m64n128 wgmmas) and is promoted once retired, as the
  * per-tensor tiles promote (the other math warpgroup's wgmmas keep the
  * tensor cores busy meanwhile; on ping-pong units its epilogue runs). */
-template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN>
+template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN, bool DEALT>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a, /* A [rows, K], box 128 bytes x 128 */
                              const __grid_constant__ CUtensorMap tma_w, /* W [E, n_rows, K], box 128 bytes x kBlockN/2 x 1 */
@@ -271,6 +278,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     static_assert(!kPingPong || (!kTwoSets && KIND != MX_GEMM_GATE_UP_INTERLEAVED),
                   "ping-pong units: 256-wide, not the interleaved GEMM1");
     static_assert(!A_BY_TOKEN || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
+    static_assert(!DEALT || Shape::kClusterM == 1, "pairs walk their units in lockstep, round robin");
     static_assert(A_BY_TOKEN || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
@@ -287,6 +295,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
      * producer has filled, where a parity wait on the slot alone would pass
      * on an older phase; after that turn the producer is within one. */
     auto turn_bar = [&](int w) { return bars + 8u * (2 * STAGES + w); };
+    /* the CTA's units: dealt from the counter, else round robin; made where
+     * used, from the barriers' base and the kernel argument, so that no
+     * register holds them across the producer's k loop */
+    auto units = [&]() {
+        return sm90_units<CM>{bars + 8u * (2 * STAGES) + (kPingPong ? 16u : 0u), DEALT ? g.units_taken : nullptr};
+    };
 
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < STAGES; ++s) {
@@ -297,6 +311,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         if (kPingPong) {
             mbar_init(turn_bar(0), 4);
             mbar_init(turn_bar(1), 4);
+        }
+        for (int j = 0; j < (DEALT ? kSm90UnitRing : 0); ++j) {
+            mbar_init(units().full_bar(j), 1);
+            /* the math warps that run the unit (ping-pong: one warpgroup, the
+             * slot's parity), and the producer warps that copy A rows */
+            mbar_init(units().empty_bar(j), (kPingPong ? 4 : Shape::kMathWarps) + (A_BY_TOKEN ? 4 : 0));
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         fence_proxy_async_smem();
@@ -310,7 +330,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
      * CM * mu + r. Both CTAs of a cluster walk the same units in lockstep
      * (they exchange weight halves every k block). */
     const uint32_t rank = CM > 1 ? cluster_cta_rank() : 0;
-    const int cluster = blockIdx.x / CM, clusters = gridDim.x / CM;
+    const int clusters = gridDim.x / CM;
     const int num_m = *g.num_tiles;
     const int num_mu = (num_m + CM - 1) / CM;
     /* per-tensor FP8 promotes pairs of k blocks: an odd count gets one more,
@@ -356,7 +376,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
             const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
             uint32_t it = 0;
-            for (int unit = cluster; unit < total; unit += clusters) {
+            for (int j = 0;; ++j) {
+                if (DEALT && pt == 0)
+                    units().deal(j, total); /* the CTA's unit j, taken as its loads start */
+                const int unit = DEALT && A_BY_TOKEN ? units().read(j) : units().own(j);
+                if (unit >= total)
+                    break;
                 int mu, nt;
                 const int slice = slice_of(unit);
                 sm90_unit_coords<Shape::kGroupM>(unit - slice * per_split, num_mu, n_tiles, mu, nt);
@@ -428,8 +453,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
         const int wg_row = kPingPong ? 0 : wg * 64; /* the warpgroup's first row of a unit */
         const int r_lo = wg_row + warp_in_wg * 16 + lane / 4;
-        const int first = kPingPong ? cluster + wg * clusters : cluster;
-        const int stride = kPingPong ? 2 * clusters : clusters;
+        /* the CTA's units j, j + step, ... (ping-pong: warpgroup wg from j = wg) */
+        const int step = kPingPong ? 2 : 1;
+        int j = kPingPong ? wg : 0;
         /* the slot's wgmmas have retired: hand it back to the producer(s) */
         auto release = [&](uint32_t slot) {
             if (lane == 0) {
@@ -445,25 +471,30 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         for (int i = 0; i < BN / 2; ++i)
             acc[i] = 0.0f;
         uint32_t it = 0;
-        /* GEMM2 loads the next unit ahead (sm90_unit) */
+        /* GEMM2 loads the next unit ahead (sm90_unit). Round robin: its first
+         * step before this unit's mainloop, the second before its epilogue;
+         * dealt: the first once the unit is known (cooperative: after this
+         * unit's mainloop, when the producer has taken it; ping-pong: after
+         * the epilogue), the second after this unit's epilogue */
         constexpr bool kAhead = KIND == MX_GEMM_DOWN && !kBlockScales;
-        sm90_unit next = sm90_unit_start<Shape>(kAhead ? first : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+        int unit = units().read(j);
+        sm90_unit next = sm90_unit_start<Shape>(kAhead ? unit : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
         sm90_unit_finish<KIND, QUANT>(next, g, sc);
-        /* ping-pong: the CTA's units before this one (warpgroup wg takes turns wg, wg + 2, ...) */
-        int turn = wg;
-        for (int unit = first; unit < total; unit += stride, turn += 2) {
+        for (int following; unit < total; unit = following, j += step) {
             const sm90_unit cur =
                 kAhead ? next : sm90_unit_now<Shape, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
-            const bool more = kAhead && unit + stride < total;
-            if (more)
-                next = sm90_unit_start<Shape>(unit + stride, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            if (!DEALT) {
+                following = units().read(j + step);
+                if (kAhead && following < total)
+                    next = sm90_unit_start<Shape>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            }
             /* ping-pong: the ring holds the CTA's units in turn, k_blocks
-             * slots each (no k slices), so this unit's first slot is its
-             * turn times that */
+             * slots each (no k slices), so unit j's first slot is j times
+             * that */
             if (kPingPong) {
-                it = static_cast<uint32_t>(turn) * static_cast<uint32_t>(k_blocks);
-                if (turn > 0) /* the other warpgroup's unit turn - 1, its (turn - 1) / 2-th */
-                    mbar_wait(turn_bar(wg ^ 1), static_cast<uint32_t>((turn - 1) / 2) & 1u);
+                it = static_cast<uint32_t>(j) * static_cast<uint32_t>(k_blocks);
+                if (j > 0) /* the other warpgroup's unit j - 1, its (j - 1) / 2-th */
+                    mbar_wait(turn_bar(wg ^ 1), static_cast<uint32_t>((j - 1) / 2) & 1u);
             }
             const int nt = cur.nt, mt = cur.mt, expert = cur.expert;
             const int kb_lo = k_first(cur.split), kb_hi = k_end(cur.split);
@@ -634,8 +665,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             }
             if (kPingPong && lane == 0)
                 mbar_arrive(turn_bar(wg));
-            if (more)
+            if (!DEALT && kAhead && following < total)
                 sm90_unit_finish<KIND, QUANT>(next, g, sc);
+            if (DEALT && !kPingPong) {
+                following = units().read(j + 1);
+                if (kAhead)
+                    next = sm90_unit_start<Shape>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            }
             if (cur.real) {
                 constexpr int kBoxes = BN / 128; /* staging boxes per warpgroup */
                 const sm90_out_stage stage = {out_boxes + wg * kBoxes * Shape::kOutBoxBytes, r_lo - wg_row};
@@ -663,6 +699,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     }
                 }
             }
+            if (DEALT && kPingPong) {
+                following = units().read(j + 2);
+                if (kAhead)
+                    next = sm90_unit_start<Shape>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            }
+            if (DEALT && kAhead)
+                sm90_unit_finish<KIND, QUANT>(next, g, sc);
             if (QUANT != MX_QUANT_NONE) {
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
@@ -725,20 +768,21 @@ int64_t sm90_max_clusters(Kernel kernel, int device, int cluster_m, int threads,
 }
 
 /* One GEMM over g.a [rows, K] (stride g.lda elements of TA: by sorted
- * row, or with A_BY_TOKEN by token) and g.w; the caller checked the TMA
- * preconditions. */
-template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN>
-mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts, int64_t m_tiles,
-                      cudaStream_t stream)
+ * row, or with A_BY_TOKEN by token) and g.w, its units DEALT from
+ * g.units_taken or round robin; the caller checked the TMA preconditions. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN, bool DEALT>
+mx_status launch_sm90_walk(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts, int64_t m_tiles,
+                           cudaStream_t stream)
 {
-    auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT, A_BY_TOKEN>;
+    auto kernel = grouped_gemm_sm90_kernel<TA, T, Shape, KIND, QUANT, A_BY_TOKEN, DEALT>;
     constexpr int BN = Shape::kBlockN;
     const int64_t n_tiles = KIND == MX_GEMM_GATE_UP || KIND == MX_GEMM_GATE_UP_INTERLEAVED
                                 ? mx_ceil_div(g.out_cols, BN / 2)
                                 : mx_ceil_div(g.n_rows, BN);
-    static const mx_kernel_name kernel_name("grouped_gemm_sm90_kernel<%s, %s, %dx%d, %s%s%s>", sm90_dtype<TA>::name(),
-                                            sm90_dtype<T>::name(), Shape::kBlockM, BN, mx_gemm_kind_name(KIND),
-                                            sm90_quant_names[QUANT], A_BY_TOKEN ? ", A by token" : "");
+    static const mx_kernel_name kernel_name("grouped_gemm_sm90_kernel<%s, %s, %dx%d, %s%s%s%s>",
+                                            sm90_dtype<TA>::name(), sm90_dtype<T>::name(), Shape::kBlockM, BN,
+                                            mx_gemm_kind_name(KIND), sm90_quant_names[QUANT],
+                                            A_BY_TOKEN ? ", A by token" : "", DEALT ? ", dealt units" : "");
     const char *name = kernel_name.text;
     if (m_tiles * n_tiles * g.k_splits > 0x7fffffff || m_tiles * Shape::kBlockM > 0x7fffffff)
         return mx_status_fail(MX_ERR_VALUE, "%s: %lld x %lld tiles exceed int32 indexing", name, (long long)m_tiles,
@@ -809,6 +853,20 @@ mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t l
     if (st.code != MX_OK)
         return st;
     return mx_check_launch(name);
+}
+
+/* launch_sm90_walk with the units dealt where the caller passed a counter
+ * (single CTAs only), else round robin. */
+template <typename TA, typename T, typename Shape, int KIND, int QUANT, bool A_BY_TOKEN>
+mx_status launch_sm90(const mx_gemm_args &g, const mx_sm90_scales &sc, int64_t local_experts, int64_t m_tiles,
+                      cudaStream_t stream)
+{
+    if constexpr (Shape::kClusterM == 1) {
+        if (g.units_taken)
+            return launch_sm90_walk<TA, T, Shape, KIND, QUANT, A_BY_TOKEN, true>(g, sc, local_experts, m_tiles,
+                                                                                 stream);
+    }
+    return launch_sm90_walk<TA, T, Shape, KIND, QUANT, A_BY_TOKEN, false>(g, sc, local_experts, m_tiles, stream);
 }
 
 /* GEMM1 of KIND with its A rows by token (16-bit: always) or, FP8 without

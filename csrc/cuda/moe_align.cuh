@@ -14,8 +14,11 @@
  *               Within a segment the order follows integer atomics; it does
  *               not change any result bit (GEMM rows are independent).
  *   tile_expert int32 [tiles_max]: the expert of each block_m-row tile.
- *   num_tiles   int32 [1]: tiles in use. Rows and tiles past it are untouched;
- *               the GEMM grids are sized from the worst case and read it.
+ *   num_tiles   int32 [2]: [0] tiles in use. Rows and tiles past it are
+ *               untouched; the GEMM grids are sized from the worst case and
+ *               read it. [1] zeroed: the counter the persistent Hopper GEMMs
+ *               deal their work units from (sm90_units.cuh), so that every
+ *               forward, graph replays included, starts it at zero.
  *   pair_rows   int32 [M k] or NULL: pair p's row in sorted_ids, -1 for a
  *               pair without a local expert (the FP8 x quantizer writes
  *               GEMM1's A rows there: fp8.cuh mx_fp8_row_filter.dest_rows).
@@ -116,7 +119,7 @@ __device__ __forceinline__ void moe_align_fill_padding(const int32_t *seg_end, i
 /* Phase 2 of the sort by the whole block of kAlignThreads threads: from
  * counts[E] (complete), expert e's segment starts at start[e] (a multiple of
  * block_m, experts in order without gaps); writes the tile table and
- * num_tiles (the padding rows: moe_align_fill_padding). Every thread calls
+ * num_tiles[0, 1] (the padding rows: moe_align_fill_padding). Every thread calls
  * it; start may alias nothing else, and is complete when it returns. */
 __device__ __forceinline__ void moe_align_segments(const int32_t *counts, int E, int block_m, int32_t *start,
                                                    int32_t *__restrict__ tile_expert, int32_t *__restrict__ num_tiles)
@@ -139,8 +142,10 @@ __device__ __forceinline__ void moe_align_segments(const int32_t *counts, int E,
             carry += incl;
         __syncthreads();
     }
-    if (tid == 0)
-        *num_tiles = carry;
+    if (tid == 0) {
+        num_tiles[0] = carry;
+        num_tiles[1] = 0;
+    }
 }
 
 /* The whole sort by one block of kAlignThreads threads. align_smem: 2 * E
@@ -215,8 +220,10 @@ __device__ __forceinline__ void moe_align_warp(const int32_t *topk_ids, const in
             moe_align_segment_head(e, tiles, carry + incl - tiles, block_m, cursor, tile_expert);
         carry += __shfl_sync(0xffffffffu, incl, 31);
     }
-    if (lane == 0)
-        *num_tiles = carry;
+    if (lane == 0) {
+        num_tiles[0] = carry;
+        num_tiles[1] = 0;
+    }
     for (int r = lane; r < carry * block_m; r += 32)
         sorted_ids[r] = -1;
     __syncwarp(); /* the fill is ordered before the scatter's stores to the same rows */
