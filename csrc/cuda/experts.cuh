@@ -52,7 +52,8 @@ typedef struct mx_gemm_args {
     int64_t out_cols;             /* output columns: I (GEMM1) or H (GEMM2) */
     const int32_t *sorted_ids;    /* [rows] pair index or -1 (padding) */
     const int32_t *tile_expert;   /* [tiles] local expert of each tile */
-    const int32_t *num_tiles;     /* [1] tiles in use (device memory) */
+    const int32_t *num_tiles;     /* [1] tiles in use (device memory; units_taken may point at the int
+                                     after it, moe_align.cuh) */
     const float *topk_weights;    /* [M, top_k]; GEMM2 epilogue */
     int top_k;
     int activation;               /* mx_activation */

@@ -561,11 +561,11 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
  * (fewer than two 128-row m tiles on average), round robin from there.
  * Dealing every such GEMM against round robin, forwards, H100, 2026-11-28,
  * two calls of two rounds (logs/2026-11-28-nvidia-h100-ab-dealt-units.txt):
- * at ~128 rows per expert -8..-16% (gpt-oss bf16 M = 4096 -14%,
+ * at ~128 rows per expert -7..-16% (gpt-oss bf16 M = 4096 -14%,
  * DeepSeek-V3 fp8_block M = 1024 -16%, Mixtral bf16 M = 512 -8%), on
  * ping-pong units -5..-10% (qwen3moe FP8 M = 1024); at 256 rows
  * +0.3..+3.4% (qwen3moe M = 4096, Mixtral M = 1024); at 512 and more
- * +1..+4.6% per tensor and 16-bit (gpt-oss bf16, DeepSeek-V3 fp8_tensor
+ * 0..+4.6% per tensor and 16-bit (gpt-oss bf16, DeepSeek-V3 fp8_tensor
  * M = 16384), -4..-7% with block scales (not taken: one rule). With this
  * rule, one round over M = 1024 / 4096 / 16384: 0.979 of round robin's
  * time (geometric mean of 33 forwards). */

@@ -478,7 +478,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
          * the epilogue), the second after this unit's epilogue */
         constexpr bool kAhead = KIND == MX_GEMM_DOWN && !kBlockScales;
         int unit = units().read(j);
-        sm90_unit next = sm90_unit_start<Shape>(kAhead ? unit : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+        sm90_unit next =
+            sm90_unit_start<Shape>(kAhead ? unit : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
         sm90_unit_finish<KIND, QUANT>(next, g, sc);
         for (int following; unit < total; unit = following, j += step) {
             const sm90_unit cur =

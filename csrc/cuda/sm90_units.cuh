@@ -82,7 +82,10 @@ template <int CM> struct sm90_units {
     /* The same, for producer thread 0 when no other producer thread runs
      * (and for any thread under round robin): it stored the slot itself,
      * and overwrites it only at unit j + 4. */
-    __device__ __forceinline__ int own(int j) const { return taken ? static_cast<int>(ld_shared_u32(slot(j))) : walk(j); }
+    __device__ __forceinline__ int own(int j) const
+    {
+        return taken ? static_cast<int>(ld_shared_u32(slot(j))) : walk(j);
+    }
 
     /* Producer thread 0 stores unit as the CTA's j-th. */
     __device__ __forceinline__ void put(int j, int unit) const
