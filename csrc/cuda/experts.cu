@@ -101,7 +101,7 @@ void make_plan(const mx_experts_problem *p, int tma, experts_plan *plan)
     const size_t es = mx_dtype_size(p->act_dtype);
     size_t at = 0;
     plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(pairs, local));
-    plan->off_num_tiles = mx_ws_take(&at, 2 * sizeof(int32_t));
+    plan->off_num_tiles = mx_ws_take(&at, MX_MOE_ALIGN_NUM_TILES_BYTES);
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
     plan->off_sorted_ids = mx_ws_take(&at, sizeof(int32_t) * plan->rows_max);
     plan->off_x_scaled = mx_ws_take(&at, x_staged(p) ? es * p->num_tokens * p->hidden_size : 0);
@@ -288,7 +288,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     g1.y_by_sorted_row = 0;
     g1.split_count = nullptr;
     g1.split_exact = 0;
-    g1.units_taken = mx_sm90_deals_units(plan.pairs, p->num_local_experts) ? num_tiles + 1 : nullptr;
+    g1.units_taken = mx_sm90_units_counter(num_tiles, plan.pairs, p->num_local_experts);
     const mx_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_GEMM_UP
                              : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                  : MX_GEMM_GATE_UP;

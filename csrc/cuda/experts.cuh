@@ -90,9 +90,14 @@ typedef struct mx_gemm_args {
 extern "C" {
 #endif
 
+/* moe_align's num_tiles: [0] tiles in use, [1] the persistent Hopper GEMMs'
+ * unit counter, zeroed with it (moe_align.cuh). */
+#define MX_MOE_ALIGN_NUM_TILES_BYTES (2 * sizeof(int32_t))
+
 /* moe_align.cu. align_ws: mx_moe_align_workspace_bytes(pairs,
  * local_experts) of int32 scratch; sorted_ids: [rows_max]; tile_expert:
- * [tiles_max]; num_tiles: [2]; pair_rows: [pairs] or NULL (moe_align.cuh). */
+ * [tiles_max]; num_tiles: MX_MOE_ALIGN_NUM_TILES_BYTES; pair_rows: [pairs]
+ * or NULL (moe_align.cuh). */
 size_t mx_moe_align_workspace_bytes(int64_t pairs, int64_t local_experts);
 mx_status mx_cuda_moe_align(const int32_t *topk_ids, const int32_t *expert_map, int64_t pairs,
                             int64_t global_experts, int64_t local_experts, int block_m, int32_t *align_ws,

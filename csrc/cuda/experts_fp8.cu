@@ -149,7 +149,7 @@ void make_plan(const mx_experts_problem *p, int tile_config, fp8_plan *plan)
     plan->y_rows = plan->y_sorted ? plan->rows_max : plan->pairs;
     size_t at = 0;
     plan->off_align = mx_ws_take(&at, mx_moe_align_workspace_bytes(plan->pairs, local));
-    plan->off_num_tiles = mx_ws_take(&at, 2 * sizeof(int32_t));
+    plan->off_num_tiles = mx_ws_take(&at, MX_MOE_ALIGN_NUM_TILES_BYTES);
     plan->off_scalars = mx_ws_take(&at, 3 * sizeof(float));
     plan->off_partials = mx_ws_take(&at, block ? 0 : sizeof(float) * mx_fp8_amax_parts(M));
     plan->off_tile_expert = mx_ws_take(&at, sizeof(int32_t) * plan->tiles_max);
@@ -274,7 +274,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g1.sorted_ids = sorted_ids;
     g1.tile_expert = tile_expert;
     g1.num_tiles = num_tiles;
-    g1.units_taken = mx_sm90_deals_units(plan.pairs, p->num_local_experts) ? num_tiles + 1 : nullptr;
+    g1.units_taken = mx_sm90_units_counter(num_tiles, plan.pairs, p->num_local_experts);
     g1.topk_weights = p->topk_weights;
     g1.top_k = p->top_k;
     g1.pairs = plan.pairs;

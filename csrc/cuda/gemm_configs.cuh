@@ -576,6 +576,13 @@ static inline bool mx_sm90_deals_units(int64_t pairs, int64_t local_experts)
     return pairs < kSm90DealMaxRowsPerExpert * (local_experts > 0 ? local_experts : 1);
 }
 
+/* The GEMMs' units_taken (mx_gemm_args): the counter moe_align zeroed after
+ * the tile count (num_tiles[1]) where the rule deals, else NULL. */
+static inline int32_t *mx_sm90_units_counter(int32_t *num_tiles, int64_t pairs, int64_t local_experts)
+{
+    return mx_sm90_deals_units(pairs, local_experts) ? num_tiles + 1 : nullptr;
+}
+
 /* Split-K of GEMM2 (the down projection): with few experts (Mixtral: 2 at
  * M = 1) the decode grids have too few CTAs to keep enough loads in
  * flight, so K is cut into slices, each CTA of a slice writing its own
