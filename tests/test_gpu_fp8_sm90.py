@@ -144,10 +144,14 @@ def test_fp8_dealt_units_many_per_cta(method, cfg, gen):
     (128 m tiles), H = 1040 and I = 1088 (a multiple of 64, not of 128: block scales keep the
     wgmma kernels, on 128-wide tiles for the gated GEMM1) give GEMM1 9 n tiles (block-scale gated:
     17) and GEMM2 5 or 9, so each CTA of 132 takes 4-17 units per GEMM and the ring wraps; GEMM2
-    takes the counter from zero only if GEMM1's last taker reset it. From 256 rows per expert
-    (gemm_configs.cuh mx_sm90_deals_units) the units go round robin: 400 rows of 32 experts."""
+    takes the counter from zero only if GEMM1's last taker reset it. The rule
+    (gemm_configs.cuh mx_sm90_deals_units): per tensor round robin from 256 rows per expert (400
+    rows of 32 experts); block scales with 32 or more local experts dealt up to 1024 rows (400
+    rows of 32 experts dealt, 1100 round robin), with fewer round robin from 256 (400 rows of 16)."""
     e, k, h, i = 64, 4, 1040, 1088
-    for rows, experts, dealt in ((200, e, True), (400, e // 2, False)):
+    block = method == "block"
+    cases = [(200, e, True), (400, e // 2, block), (400, e // 4, False)] + ([(1100, e // 2, False)] if block else [])
+    for rows, experts, dealt in cases:
         layer = loaded(gen, "qwen", method, torch.bfloat16, experts, k, h, i, cfg)
         names = checked_forward(gen, layer, rows * experts // k, experts, f"fp8 {method} {cfg[0]} {rows} rows",
                                 cfg=cfg)

@@ -288,7 +288,7 @@ extern "C" mx_status mx_cuda_experts(const mx_experts_problem *p, void *workspac
     g1.y_by_sorted_row = 0;
     g1.split_count = nullptr;
     g1.split_exact = 0;
-    g1.units_taken = mx_sm90_units_counter(num_tiles, plan.pairs, p->num_local_experts);
+    g1.units_taken = mx_sm90_units_counter(num_tiles, plan.pairs, p->num_local_experts, false);
     const mx_gemm_kind kind1 = !p->is_act_and_mul                  ? MX_GEMM_UP
                              : p->activation == MX_ACT_SWIGLUOAI ? MX_GEMM_GATE_UP_INTERLEAVED
                                                                  : MX_GEMM_GATE_UP;

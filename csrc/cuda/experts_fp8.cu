@@ -274,7 +274,7 @@ extern "C" mx_status mx_cuda_experts_fp8(const mx_experts_problem *p, void *work
     g1.sorted_ids = sorted_ids;
     g1.tile_expert = tile_expert;
     g1.num_tiles = num_tiles;
-    g1.units_taken = mx_sm90_units_counter(num_tiles, plan.pairs, p->num_local_experts);
+    g1.units_taken = mx_sm90_units_counter(num_tiles, plan.pairs, p->num_local_experts, block);
     g1.topk_weights = p->topk_weights;
     g1.top_k = p->top_k;
     g1.pairs = plan.pairs;

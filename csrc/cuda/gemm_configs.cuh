@@ -566,21 +566,37 @@ static inline int mx_select_sm90_config(int64_t pairs, int64_t local_experts, in
  * ping-pong units -5..-10% (qwen3moe FP8 M = 1024); at 256 rows
  * +0.3..+3.4% (qwen3moe M = 4096, Mixtral M = 1024); at 512 and more
  * 0..+4.6% per tensor and 16-bit (gpt-oss bf16, DeepSeek-V3 fp8_tensor
- * M = 16384), -4..-7% with block scales (not taken: one rule). With this
- * rule, one round over M = 1024 / 4096 / 16384: 0.979 of round robin's
- * time (geometric mean of 33 forwards). */
+ * M = 16384), -4..-7% with block scales. With this rule, one round over
+ * M = 1024 / 4096 / 16384: 0.979 of round robin's time (geometric mean of
+ * 33 forwards). With 128x128 block scales and at least
+ * kSm90DealBlockMinExperts local experts, the units are dealt below
+ * kSm90DealBlockMaxRowsPerExpert instead. Against the rule above, fp8_block
+ * forwards at M = 1024 / 2048 / 4096 / 16384, three rounds (H100,
+ * 2026-11-28, logs/2026-11-28-nvidia-h100-ab-block-dealt.txt): DeepSeek-V3
+ * and gpt-oss M = 16384 (512 rows per expert) -8.7 / -10.3%, qwen3moe
+ * M = 4096 (256 rows) -0.2%; but Mixtral (8 experts) at 512 rows
+ * (M = 2048) +2.6%, and dealing at any row count put Mixtral
+ * M = 1024..16384 at +1.4..+3.8% while qwen3moe M = 16384 (1024 rows) gained
+ * 1.1%. 32 experts sits between the 8 measured to lose and the 128 and 256
+ * measured to gain. */
 constexpr int64_t kSm90DealMaxRowsPerExpert = 2 * kSm90BlockM;
+constexpr int64_t kSm90DealBlockMaxRowsPerExpert = 8 * kSm90BlockM;
+constexpr int64_t kSm90DealBlockMinExperts = 32;
 
-static inline bool mx_sm90_deals_units(int64_t pairs, int64_t local_experts)
+static inline bool mx_sm90_deals_units(int64_t pairs, int64_t local_experts, bool block_scales)
 {
-    return pairs < kSm90DealMaxRowsPerExpert * (local_experts > 0 ? local_experts : 1);
+    const int64_t e = local_experts > 0 ? local_experts : 1;
+    const int64_t max_rows = block_scales && e >= kSm90DealBlockMinExperts ? kSm90DealBlockMaxRowsPerExpert
+                                                                          : kSm90DealMaxRowsPerExpert;
+    return pairs < max_rows * e;
 }
 
 /* The GEMMs' units_taken (mx_gemm_args): the counter moe_align zeroed after
  * the tile count (num_tiles[1]) where the rule deals, else NULL. */
-static inline int32_t *mx_sm90_units_counter(int32_t *num_tiles, int64_t pairs, int64_t local_experts)
+static inline int32_t *mx_sm90_units_counter(int32_t *num_tiles, int64_t pairs, int64_t local_experts,
+                                             bool block_scales)
 {
-    return mx_sm90_deals_units(pairs, local_experts) ? num_tiles + 1 : nullptr;
+    return mx_sm90_deals_units(pairs, local_experts, block_scales) ? num_tiles + 1 : nullptr;
 }
 
 /* Split-K of GEMM2 (the down projection): with few experts (Mixtral: 2 at
