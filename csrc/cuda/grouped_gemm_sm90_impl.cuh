@@ -377,9 +377,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             const int64_t k_bytes = g.k * static_cast<int64_t>(sizeof(TA));
             uint32_t it = 0;
             for (int j = 0;; ++j) {
-                if (DEALT && pt == 0)
-                    units().deal(j, total); /* the CTA's unit j, taken as its loads start */
-                const int unit = DEALT && A_BY_TOKEN ? units().read(j) : units().own(j);
+                /* the CTA's unit j: dealt as its loads start (by thread 0; with
+                 * A_BY_TOKEN every producer warp reads it from the ring) */
+                int unit = DEALT && pt == 0 ? units().deal(j, total) : units().walk(j);
+                if (DEALT && A_BY_TOKEN)
+                    unit = units().read(j);
                 if (unit >= total)
                     break;
                 int mu, nt;
@@ -484,6 +486,14 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         for (int following; unit < total; unit = following, j += step) {
             const sm90_unit cur =
                 kAhead ? next : sm90_unit_now<Shape, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
+            /* dealt: the CTA's next unit for these warps, and GEMM2's first
+             * loads of it (a phantom past the end) */
+            auto read_dealt = [&]() {
+                const int unit_after = units().read(j + step);
+                if (kAhead)
+                    next = sm90_unit_start<Shape>(unit_after, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+                return unit_after;
+            };
             if (!DEALT) {
                 following = units().read(j + step);
                 if (kAhead && following < total)
@@ -668,11 +678,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                 mbar_arrive(turn_bar(wg));
             if (!DEALT && kAhead && following < total)
                 sm90_unit_finish<KIND, QUANT>(next, g, sc);
-            if (DEALT && !kPingPong) {
-                following = units().read(j + 1);
-                if (kAhead)
-                    next = sm90_unit_start<Shape>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
-            }
+            if (DEALT && !kPingPong)
+                following = read_dealt();
             if (cur.real) {
                 constexpr int kBoxes = BN / 128; /* staging boxes per warpgroup */
                 const sm90_out_stage stage = {out_boxes + wg * kBoxes * Shape::kOutBoxBytes, r_lo - wg_row};
@@ -700,11 +707,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     }
                 }
             }
-            if (DEALT && kPingPong) {
-                following = units().read(j + 2);
-                if (kAhead)
-                    next = sm90_unit_start<Shape>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
-            }
+            if (DEALT && kPingPong)
+                following = read_dealt();
             if (DEALT && kAhead)
                 sm90_unit_finish<KIND, QUANT>(next, g, sc);
             if (QUANT != MX_QUANT_NONE) {

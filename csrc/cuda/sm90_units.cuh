@@ -79,14 +79,6 @@ template <int CM> struct sm90_units {
         return unit;
     }
 
-    /* The same, for producer thread 0 when no other producer thread runs
-     * (and for any thread under round robin): it stored the slot itself,
-     * and overwrites it only at unit j + 4. */
-    __device__ __forceinline__ int own(int j) const
-    {
-        return taken ? static_cast<int>(ld_shared_u32(slot(j))) : walk(j);
-    }
-
     /* Producer thread 0 stores unit as the CTA's j-th. */
     __device__ __forceinline__ void put(int j, int unit) const
     {
@@ -96,17 +88,19 @@ template <int CM> struct sm90_units {
     }
 
     /* Producer thread 0, as the CTA's unit j starts: takes a unit from the
-     * counter and stores it as the CTA's j-th; a value >= total (the end)
-     * also as the (j + 1)-th, and the counter's last value resets it. */
-    __device__ __forceinline__ void deal(int j, int total) const
+     * counter, stores it as the CTA's j-th and returns it; a value >= total
+     * (the end) also as the (j + 1)-th, and the counter's last value resets
+     * it. */
+    __device__ __forceinline__ int deal(int j, int total) const
     {
         const int unit = atomicAdd(taken, 1);
         put(j, unit);
         if (unit < total)
-            return;
+            return unit;
         put(j + 1, unit);
         if (unit == total + static_cast<int>(gridDim.x) - 1)
             atomicExch(taken, 0);
+        return unit;
     }
 };
 
