@@ -1,6 +1,6 @@
 /* CHECK(call) for the standalone CUDA probes in benchmarks/ (tma_stream_probe.cu,
- * route_probe.cu): a failed CUDA runtime call prints its error and line and
- * exits the probe. */
+ * route_probe.cu, l2_side_probe.cu, l2_side_latency.cu): a failed CUDA runtime
+ * call prints its error and line and exits the probe. */
 #ifndef MOE_EXT_BENCHMARKS_PROBE_CHECK_CUH
 #define MOE_EXT_BENCHMARKS_PROBE_CHECK_CUH
 

@@ -150,7 +150,7 @@ def test_fp8_dealt_units_many_per_cta(method, cfg, gen):
     rows of 32 experts dealt, 1100 round robin), with fewer round robin from 256 (400 rows of 16)."""
     e, k, h, i = 64, 4, 1040, 1088
     block = method == "block"
-    cases = [(200, e, True), (400, e // 2, block), (400, e // 4, False)] + ([(1100, e // 2, False)] if block else [])
+    cases = [(200, e, True), (400, e // 2, block)] + ([(400, e // 4, False), (1100, e // 2, False)] if block else [])
     for rows, experts, dealt in cases:
         layer = loaded(gen, "qwen", method, torch.bfloat16, experts, k, h, i, cfg)
         names = checked_forward(gen, layer, rows * experts // k, experts, f"fp8 {method} {cfg[0]} {rows} rows",

@@ -487,7 +487,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             const sm90_unit cur =
                 kAhead ? next : sm90_unit_now<Shape, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
             /* dealt: the CTA's next unit for these warps, and GEMM2's first
-             * loads of it (a phantom past the end) */
+             * loads of it (a phantom past the end). Round robin keeps its own
+             * lines below: through this lambda its GEMM2 scheduled differently
+             * (nvdisasm, 2026-11-28) and it keeps the code it was measured with */
             auto read_dealt = [&]() {
                 const int unit_after = units().read(j + step);
                 if (kAhead)
