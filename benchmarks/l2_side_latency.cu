@@ -24,7 +24,6 @@
 
 constexpr int kLines = 256;     /* lines per segment */
 constexpr int kLineInts = 32;   /* 128 bytes */
-constexpr int kSmemBytes = 160 * 1024;
 constexpr int kMaxSms = 192;
 
 __global__ void __launch_bounds__(32, 1)
@@ -62,11 +61,7 @@ __global__ void __launch_bounds__(32, 1)
 
 int main(int argc, char **argv)
 {
-    int sms = 0;
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    if (sms > kMaxSms)
-        sms = kMaxSms;
-    CHECK(cudaFuncSetAttribute(walk_segments, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const int sms = one_cta_per_sm(walk_segments, kMaxSms);
     /* each segment one random cycle through its lines, starting at line 0 */
     std::vector<uint32_t> host(static_cast<size_t>(sms) * kLines * kLineInts, 0);
     std::mt19937 rng(1);
@@ -101,7 +96,7 @@ int main(int argc, char **argv)
         CHECK(cudaMemset(flush, reference & 0xff, flush_bytes));
         CHECK(cudaMemset(ready, 0, sizeof(int)));
         CHECK(cudaMemset(cycles, 0xff, sizeof(long long) * kMaxSms));
-        walk_segments<<<sms, 32, kSmemBytes>>>(buf, sms, reference, ready, cycles, sink);
+        walk_segments<<<sms, 32, kOneCtaPerSmSmemBytes>>>(buf, sms, reference, ready, cycles, sink);
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
         std::vector<long long> got(kMaxSms);

@@ -27,7 +27,6 @@
 #include "probe_check.cuh"
 
 constexpr int kThreads = 512;
-constexpr int kSmemBytes = 160 * 1024;
 constexpr int kMaxSms = 192;
 
 struct sm_mask {
@@ -65,7 +64,7 @@ static void run(const int4 *buf, size_t bytes, int passes, const sm_mask &mask, 
                 const char *what, const sm_mask &other = sm_mask{})
 {
     CHECK(cudaMemset(seen, 0, sizeof(int) * kMaxSms));
-    read_buffer<<<sms, kThreads, kSmemBytes>>>(buf, bytes / sizeof(int4), passes, mask, other, seen, sink);
+    read_buffer<<<sms, kThreads, kOneCtaPerSmSmemBytes>>>(buf, bytes / sizeof(int4), passes, mask, other, seen, sink);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     std::vector<int> got(kMaxSms);
@@ -79,11 +78,7 @@ static void run(const int4 *buf, size_t bytes, int passes, const sm_mask &mask, 
 
 int main(int argc, char **argv)
 {
-    int sms = 0;
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    if (sms > kMaxSms)
-        sms = kMaxSms;
-    CHECK(cudaFuncSetAttribute(read_buffer, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const int sms = one_cta_per_sm(read_buffer, kMaxSms);
     const size_t max_bytes = size_t{96} << 20;
     int4 *buf = nullptr;
     int *seen = nullptr, *sink = nullptr;

@@ -175,6 +175,7 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr)
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
+
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b)
 {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
