@@ -28,13 +28,18 @@
  * Where it is taken (fused_usable): bfloat16 / float16 activations,
  * 16-byte rows and bases, its shared memory within kMaxSmem, a
  * device of compute capability 9.0 or later that launches cooperatively;
- * 16-bit weights at M <= 2; FP8 at M = 1 with gate-then-up rows, H and I
+ * 16-bit weights at M <= 2 with at most kMax16BitPairs (token, slot)
+ * pairs; FP8 at M = 1 with gate-then-up rows, H and I
  * multiples of 128, H <= kFp8MaxHidden. Measured on an H100 against the
  * pipeline (benchmarks/NOTES.md "One launch at decode"): qwen3moe M = 1
  * bf16 -10%, fp8_block -14%, fp8_tensor -1%; gpt-oss bf16 -6%, Mixtral
  * bf16 -2%; the host time of a call about halved. Where it lost it is not
- * taken: M >= 4, FP8 at M = 2 and at H >= 4096. Workspace: act [local
- * slots, I] in T, then kMaxCtas floats of act amax partials. */
+ * taken: M >= 4, FP8 at M = 2 and at H >= 4096, 16-bit past 8 pairs
+ * (qwen3moe bf16 M = 2, 16 pairs: the pipeline -3.0% on an H100, three
+ * rounds, -6.4% on an H200, one; gpt-oss M = 2, 8 pairs: the one launch
+ * -4.0%; H100, 2026-11-28,
+ * logs/2026-11-28-nvidia-h100-ab-decode-fused-stage.txt). Workspace: act
+ * [local slots, I] in T, then kMaxCtas floats of act amax partials. */
 #include <cooperative_groups.h>
 #include <string.h>
 
@@ -179,6 +184,8 @@ bool fused_usable(const mx_experts_problem *p, int *grid, fused_layout *l)
     if (p->act_dtype != MX_BF16 && p->act_dtype != MX_F16)
         return false;
     if (H % 8 != 0 || I % 8 != 0 || !mx_aligned16(p->hidden_states) || !mx_aligned16(p->w13) || !mx_aligned16(p->w2))
+        return false;
+    if (p->quant == MX_QUANT_NONE && M * p->top_k > kMax16BitPairs)
         return false;
     /* FP8: one token, gated (gate rows then up rows), whole 128-wide blocks, at most 16 slots (a warp each),
      * H <= kFp8MaxHidden: the FP8 path won at qwen3moe's H = 2048 (-14% fp8_block, -1% fp8_tensor at

@@ -14,7 +14,8 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = 2;
-constexpr int kMaxPairs = 64;
+constexpr int kMaxPairs = 16;       /* (token, slot) pairs: FP8's one token of at most kWarps slots */
+constexpr int kMax16BitPairs = 8;   /* the 16-bit path's pairs (decode_fused.cu fused_usable) */
 constexpr int kUnroll = 4;                        /* steps of each row in flight */
 constexpr size_t kMaxSmem = 200 * 1024;
 constexpr long long kPrefetchPerCta = 192 * 1024; /* GEMM2 bytes a CTA prefetches into L2 */
