@@ -57,6 +57,15 @@ typedef mx_tile_shape<128, 128, 2, 4, 3, 2, 0> mx_tile_large;
 constexpr int kSm90BlockM = 128; /* also moe_align's block_m for this path */
 /* slots of the ring that hands a CTA its dealt work units (sm90_units.cuh) */
 constexpr int kSm90UnitRing = 4;
+/* m units per group of the unit order where the units are dealt (round
+ * robin: the shape's kGroupM, also 8). Larger groups lose on the dealt
+ * walk: against 8, two rounds over 27 points of qwen3moe, DeepSeek-V3 and
+ * gpt-oss at M = 1024 / 4096 / 16384 (H100, 2026-11-28,
+ * logs/2026-11-28-nvidia-h100-ab-dealt-group-size.txt), 16: 1.0061
+ * (DeepSeek-V3 bf16 M = 4096 +6.4%, gpt-oss bf16 M = 4096 +2.5%), 32:
+ * 1.0268 (+14.1%, +11.9%): fewer groups split an expert's m tiles, but
+ * the group's A rows outgrow what L2 keeps beside the weight stream. */
+constexpr int kSm90DealtGroupM = 8;
 
 /* PING_PONG: each math warpgroup takes whole units of its own, 64 rows x BN
  * (moe_align's block_m 64), the two in turn on the one ring, so that one's

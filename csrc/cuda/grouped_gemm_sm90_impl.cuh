@@ -144,8 +144,8 @@ struct sm90_unit {
     sm90_rows rows;
 };
 
-/* unit >= total (no unit): a phantom that loads nothing */
-template <typename Shape>
+/* unit >= total (no unit): a phantom that loads nothing; G: m units per group */
+template <typename Shape, int G>
 __device__ __forceinline__ sm90_unit sm90_unit_start(int unit, int total, int num_mu, int n_tiles, int cm,
                                                      uint32_t rank, int num_m, int r_lo, const mx_gemm_args &g)
 {
@@ -156,7 +156,7 @@ __device__ __forceinline__ sm90_unit sm90_unit_start(int unit, int total, int nu
     if (unit < total) {
         const int per_split = num_mu * n_tiles;
         u.split = unit / per_split;
-        sm90_unit_coords<Shape::kGroupM>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
+        sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     }
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = unit < total && u.mt < num_m;
@@ -188,7 +188,7 @@ __device__ __forceinline__ void sm90_unit_finish(sm90_unit &u, const mx_gemm_arg
  * same loads as sm90_unit_start + sm90_unit_finish, kept as the form those
  * kinds were measured with: composed from the two steps, their SASS differs
  * (reordered and dropped moves; cuobjdump, 2026-11-25), not yet timed. */
-template <typename Shape, int KIND, int QUANT>
+template <typename Shape, int KIND, int QUANT, int G>
 __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_tiles, int cm, uint32_t rank,
                                                    int num_m, int r_lo, const mx_gemm_args &g,
                                                    const mx_sm90_scales &sc)
@@ -197,7 +197,7 @@ __device__ __forceinline__ sm90_unit sm90_unit_now(int unit, int num_mu, int n_t
     int mu;
     const int per_split = num_mu * n_tiles;
     u.split = sm90_takes_slices<Shape, KIND, QUANT>() ? unit / per_split : 0;
-    sm90_unit_coords<Shape::kGroupM>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
+    sm90_unit_coords<G>(unit - u.split * per_split, num_mu, n_tiles, mu, u.nt);
     u.mt = mu * cm + static_cast<int>(rank);
     u.real = u.mt < num_m;
     u.expert = 0;
@@ -280,6 +280,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     static_assert(!A_BY_TOKEN || KIND != MX_GEMM_DOWN, "GEMM2 reads act by sorted row");
     static_assert(!DEALT || Shape::kClusterM == 1, "pairs walk their units in lockstep, round robin");
     static_assert(A_BY_TOKEN || KIND == MX_GEMM_DOWN || sizeof(TA) == 1, "16-bit GEMM1 reads x by token");
+    constexpr int G = DEALT ? kSm90DealtGroupM : Shape::kGroupM; /* m units per group of the unit order */
 
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     /* stage slots need 1024-byte alignment (the swizzle atom); the launch's bytes hold the slack */
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                     break;
                 int mu, nt;
                 const int slice = slice_of(unit);
-                sm90_unit_coords<Shape::kGroupM>(unit - slice * per_split, num_mu, n_tiles, mu, nt);
+                sm90_unit_coords<G>(unit - slice * per_split, num_mu, n_tiles, mu, nt);
                 const int mt = mu * CM + static_cast<int>(rank);
                 /* a phantom m tile (odd count, last unit) still loads, so that the
                  * pair stays in lockstep; its epilogue is skipped */
@@ -481,11 +482,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         constexpr bool kAhead = KIND == MX_GEMM_DOWN && !kBlockScales;
         int unit = units().read(j);
         sm90_unit next =
-            sm90_unit_start<Shape>(kAhead ? unit : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+            sm90_unit_start<Shape, G>(kAhead ? unit : total, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
         sm90_unit_finish<KIND, QUANT>(next, g, sc);
         for (int following; unit < total; unit = following, j += step) {
-            const sm90_unit cur =
-                kAhead ? next : sm90_unit_now<Shape, KIND, QUANT>(unit, num_mu, n_tiles, CM, rank, num_m, r_lo, g, sc);
+            const sm90_unit cur = kAhead ? next
+                                         : sm90_unit_now<Shape, KIND, QUANT, G>(unit, num_mu, n_tiles, CM, rank, num_m,
+                                                                                 r_lo, g, sc);
             /* dealt: the CTA's next unit for these warps, and GEMM2's first
              * loads of it (a phantom past the end). Round robin keeps its own
              * lines below: through this lambda its GEMM2 scheduled differently
@@ -493,13 +495,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
             auto read_dealt = [&]() {
                 const int unit_after = units().read(j + step);
                 if (kAhead)
-                    next = sm90_unit_start<Shape>(unit_after, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+                    next = sm90_unit_start<Shape, G>(unit_after, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
                 return unit_after;
             };
             if (!DEALT) {
                 following = units().read(j + step);
                 if (kAhead && following < total)
-                    next = sm90_unit_start<Shape>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
+                    next = sm90_unit_start<Shape, G>(following, total, num_mu, n_tiles, CM, rank, num_m, r_lo, g);
             }
             /* ping-pong: the ring holds the CTA's units in turn, k_blocks
              * slots each (no k slices), so unit j's first slot is j times
