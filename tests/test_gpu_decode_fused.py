@@ -30,13 +30,10 @@ def only_fused(fn):
         assert not any(FUSED in n for n in names), names
 
 
-def fused_or_pipeline(fn, fused):
-    """fn's kernels are the fused kernel alone (on Hopper) when `fused`, else the pipeline's."""
-    if fused:
-        only_fused(fn)
-    else:
-        names = kernels_of(fn)
-        assert len(names) > 1 and not any(FUSED in n for n in names), names
+def only_pipeline(fn):
+    """fn's kernels are the pipeline's: several, none of them the fused kernel."""
+    names = kernels_of(fn)
+    assert len(names) > 1 and not any(FUSED in n for n in names), names
 
 
 def pipeline_out(fn):
@@ -60,15 +57,14 @@ def test_fused_matches_reference(cfg, dtype, m, gen):
     check(out, want, margin, dtype)
     check(out, pipeline_out(lambda: layer(x, logits)).double(), margin, dtype)
     # 16-bit weights: at most 8 (token, slot) pairs (grouped-sigmoid-bias at M = 2 has 16)
-    fused_or_pipeline(lambda: layer(x, logits), m * k <= 8)
+    (only_fused if m * k <= 8 else only_pipeline)(lambda: layer(x, logits))
 
 
 def test_three_tokens_take_the_pipeline(gen):
     layer, _, reference = cuda_case(gen, torch.bfloat16, 12, dict(top_k=3), False, h=264, i=200)
     x = randn(gen, 3, 264, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, 3, 12, device="cuda", scale=2.0)
-    names = kernels_of(lambda: layer(x, logits))
-    assert len(names) > 1 and not any(FUSED in n for n in names), names
+    only_pipeline(lambda: layer(x, logits))
     want, margin = reference(x, logits)
     check(layer(x, logits), want, margin, torch.bfloat16)
     only_fused(lambda: layer(x[:2], logits[:2]))
@@ -101,8 +97,7 @@ def test_other_fp8_layers_take_the_pipeline(method, case, gen):
     layer = loaded(gen, "mixtral", method, torch.bfloat16, 9, 3, h, 256, cfg)
     x = randn(gen, m, h, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, m, 9, device="cuda", scale=2.0)
-    names = kernels_of(lambda: layer(x, logits))
-    assert len(names) > 1 and not any(FUSED in n for n in names), names
+    only_pipeline(lambda: layer(x, logits))
     compare_tensor(layer, layer(x, logits), x, logits, cfg, f"pipeline fp8 {method} {case}")
 
 

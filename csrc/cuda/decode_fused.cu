@@ -29,8 +29,8 @@
  * 16-byte rows and bases, its shared memory within kMaxSmem, a
  * device of compute capability 9.0 or later that launches cooperatively;
  * 16-bit weights at M <= 2 with at most kMax16BitPairs (token, slot)
- * pairs; FP8 at M = 1 with gate-then-up rows, H and I
- * multiples of 128, H <= kFp8MaxHidden. Measured on an H100 against the
+ * pairs; FP8 at M = 1 with gate-then-up rows, H and I multiples of 128,
+ * H <= kFp8MaxHidden. Measured on an H100 against the
  * pipeline (benchmarks/NOTES.md "One launch at decode"): qwen3moe M = 1
  * bf16 -10%, fp8_block -14%, fp8_tensor -1%; gpt-oss bf16 -6%, Mixtral
  * bf16 -2%; the host time of a call about halved. Where it lost it is not

@@ -14,7 +14,7 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = 2;
-constexpr int kMaxPairs = 16;       /* (token, slot) pairs: FP8's one token of at most kWarps slots */
+constexpr int kMaxPairs = kWarps;   /* (token, slot) pairs: FP8's one token of at most kWarps slots */
 constexpr int kMax16BitPairs = 8;   /* the 16-bit path's pairs (decode_fused.cu fused_usable) */
 constexpr int kUnroll = 4;                        /* steps of each row in flight */
 constexpr size_t kMaxSmem = 200 * 1024;
