@@ -11,8 +11,11 @@
 #   mkdir r && tar xzf ab.tgz -C r && python3 benchmarks/ab_compare.py r A B
 set -u
 out="${OUT:-ab_out}"
-runs="$out/runs"
-mkdir -p "$runs"
+# the runs are kept outside $out, which then holds ab.tgz and gpu.txt only: a device call returns
+# a limited count of files, and one that returned every run's files lost them all
+runs=$(mktemp -d)
+trap 'rm -rf "$runs"' EXIT
+mkdir -p "$out"
 builds="$1"
 rounds="$2"
 shift 2
