@@ -610,14 +610,14 @@ mx_status launch_sm90_decode(const mx_gemm_args &g, const mx_sm90_scales &sc, in
      * the workspace's worst case. GEMM1 kinds read x by cp.async: map_a is
      * then the weight map again, never read. */
     CUtensorMap map_a, map_w;
-    /* L2 promotion 128B on packed weights (each box one contiguous 8 KB
-     * piece), with paired loads, and for 16-bit GEMM2 on 16-token tiles over
-     * rows shorter than kSm90DecodeDownShortRowBytes; else 256B
-     * (gemm_configs.cuh has the measurements) */
+    /* L2 promotion 128B with paired loads, and for 16-bit GEMM2 on 16-token
+     * tiles over rows shorter than kSm90DecodeDownShortRowBytes; else 256B
+     * (gemm_configs.cuh has the measurements; packed maps always take 128B,
+     * sm90_weight_map) */
     const bool short_down = KIND == MX_GEMM_DOWN && QUANT == MX_QUANT_NONE && Shape::kBlockT == 16 &&
                             g.k * static_cast<int64_t>(sizeof(TA)) < kSm90DecodeDownShortRowBytes;
-    const int promotion = g.w_packed || Shape::kPairedLoads || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                                                          : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    const int promotion =
+        Shape::kPairedLoads || short_down ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, g.w_packed, &map_w, &st, promotion))
         return st;
     if (decode_rows_from_x(KIND))

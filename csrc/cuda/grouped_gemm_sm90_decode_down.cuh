@@ -350,10 +350,11 @@ mx_status launch_sm90_decode_down(const mx_gemm_args &g, const mx_sm90_scales &s
                               (long long)grid);
     mx_status st;
     CUtensorMap map_a, map_w;
-    /* L2 promotion 128B on packed weights and on 16-token tiles
-     * (gemm_configs.cuh kSm90DecodeDownShortRowBytes has the measurements) */
-    const int promotion = g.w_packed || Shape::kBlockT == 16 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                                             : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    /* L2 promotion 128B on 16-token tiles (gemm_configs.cuh
+     * kSm90DecodeDownShortRowBytes has the measurements; packed maps always
+     * take 128B, sm90_weight_map) */
+    const int promotion =
+        Shape::kBlockT == 16 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, 64, g.w_packed, &map_w, &st, promotion) ||
         !sm90_rows_map<TA>(g.a, g.lda, m_tiles * Shape::kBlockT, Shape::kBlockT, g.k, &map_a, &st))
         return st;

@@ -816,16 +816,7 @@ mx_status launch_sm90_walk(const mx_gemm_args &g, const mx_sm90_scales &sc, int6
     if (st.code != MX_OK)
         return st;
     CUtensorMap map_a, map_w, map_out;
-    /* L2 promotion 128B on packed weights: a box is whole 8 KB pieces, so
-     * 256B only fetched the next row of the piece, which the box reads
-     * anyway. Against 256B, two calls of two rounds over M = 1024 / 4096 /
-     * 16384 (H100, 2026-11-28,
-     * logs/2026-11-28-nvidia-h100-ab-packed-promotion-128b.txt): 0.9970
-     * and 0.9966 of the time (Mixtral bf16 -0.6..-1.0%, qwen3moe fp8_block
-     * -0.7..-2.0%); the unpacked gpt-oss FP8 points, same kernels, moved
-     * within +-0.9%. */
-    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, g.w_packed, &map_w, &st,
-                             g.w_packed ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+    if (!sm90_weight_map<TA>(g.w, g.k, g.n_rows, local_experts, BN / 2, g.w_packed, &map_w, &st))
         return st;
     if (A_BY_TOKEN)
         map_a = map_w; /* not read: the kernel copies its A rows by token */

@@ -510,7 +510,15 @@ int sm90_rows_map(const void *a, int64_t lda, int64_t a_rows, int a_box_rows, in
 /* Tensor map of W [experts, n_rows, k], boxes of w_box_rows rows of one
  * expert by 128 bytes of k. packed: W in the packed layout (abi.h
  * weights_packed: [experts, n_rows / 64, k / 128 B, 64, 128 B]), a 5-D map
- * whose boxes are w_box_rows / 64 whole packed blocks (tma_load_w). */
+ * whose boxes are w_box_rows / 64 whole packed blocks (tma_load_w).
+ * promotion: the row-major map's L2 promotion. A packed map always takes
+ * 128B: its boxes are whole 8 KB pieces, so 256B only fetched the next row
+ * of a piece the box reads anyway. Against 256B on the persistent kernel,
+ * two calls of two rounds over M = 1024 / 4096 / 16384 (H100, 2026-11-28,
+ * logs/2026-11-28-nvidia-h100-ab-packed-promotion-128b.txt): 0.9970 and
+ * 0.9966 of the time (Mixtral bf16 -0.6..-1.0%, qwen3moe fp8_block
+ * -0.7..-2.0%); the decode kernels were measured with it since packing
+ * (benchmarks/NOTES.md "The decode weight stream..."). */
 template <typename TA>
 int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, int w_box_rows, bool packed,
                     CUtensorMap *map, mx_status *st, int promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
@@ -538,7 +546,7 @@ int sm90_weight_map(const void *w, int64_t k, int64_t n_rows, int64_t experts, i
     key.box[2] = 1;
     key.box[3] = static_cast<uint32_t>(w_box_rows / 64);
     key.box[4] = 1;
-    key.promotion = promotion;
+    key.promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
     return sm90_tensor_map(key, map, st);
 }
 
