@@ -64,7 +64,9 @@ constexpr int kSm90UnitRing = 4;
  * logs/2026-11-28-nvidia-h100-ab-dealt-group-size.txt), 16: 1.0061
  * (DeepSeek-V3 bf16 M = 4096 +6.4%, gpt-oss bf16 M = 4096 +2.5%), 32:
  * 1.0268 (+14.1%, +11.9%): fewer groups split an expert's m tiles, but
- * the group's A rows outgrow what L2 keeps beside the weight stream. */
+ * the group's A rows outgrow what L2 keeps beside the weight stream.
+ * Smaller groups are flat: on an H200, 4: 0.9996, 2: 1.0016 over the same
+ * points (logs/2026-11-28-nvidia-h200-ab-dealt-group-4-2.txt). */
 constexpr int kSm90DealtGroupM = 8;
 
 /* PING_PONG: each math warpgroup takes whole units of its own, 64 rows x BN
