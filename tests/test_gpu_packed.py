@@ -5,12 +5,15 @@ row-major layout (MOE_EXT_PACKED_WEIGHTS=0; the 16-bit one-launch decode sums in
 and within tolerance of the float64 reference; the
 weight loader unpacks them and process_weights_after_loading() packs them again; a CUDA graph
 replays on them; x of any alignment is read."""
+import math
+
 import pytest
 import torch
 
 import moe_ext
 from moe_ext import packing
-from helpers import capture_forward, decode_fused, expert_weights, make_layer, on_hopper, randn, replay
+from helpers import (capture_forward, decode_fused, expert_weights, kernels_of, make_layer, on_hopper, randn,
+                     replay)
 import reference as ref
 from test_fp8 import FP8_TOL, METHODS, compare, fp8_model, fp8_reference
 from test_gpu import check
@@ -86,6 +89,28 @@ def test_packed_16bit_matches_row_major(case, dtype, gen, monkeypatch):
         check(out, row_major_out.double(), margin, dtype)
     else:
         assert torch.equal(out, row_major_out), "packed and row-major weights give different outputs"
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_packed_fused_lane_group_rounds(m, gen, monkeypatch):
+    """The 16-bit one-launch decode on packed weights gives lane groups only whole rounds of every
+    warp: 4-row groups, then 2-row groups, then the rest a warp an item (decode_fused_16bit.cuh
+    row_lanes). Sized from the SM count (one CTA of 16 warps an SM) so that both GEMMs run all
+    three forms: GEMM1 8 slots x I units, GEMM2 8 slots x ~24.5 rows a CTA."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    warps = 16 * sms
+    e, k = 8, 8 // m
+    i = 64 * math.ceil((6 * warps + 64) / (8 * 64))
+    h = 64 * math.ceil(24.5 * sms / 64)
+    assert (8 * i) // 4 >= warps and (8 * i - 4 * warps) // 2 >= warps and (8 * i) % 2 == 0
+    packed, row_major, _, reference = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
+    x, logits = forward_inputs(gen, m, h, e)
+    names = kernels_of(lambda: packed(x, logits))
+    assert len(names) == 1 and "decode_fused_kernel" in names[0], names
+    out = packed(x, logits)
+    want, margin = reference(x, logits)
+    check(out, want, margin, torch.bfloat16)
+    check(out, row_major(x, logits).double(), margin, torch.bfloat16)
 
 
 # id, experts, top_k, H, I, M; fused as above

@@ -22,17 +22,23 @@ template <typename T> __device__ __forceinline__ float dot8(uint4 w, uint4 a, fl
 
 /* How a warp's lanes share rows: all 32 lanes on one row (a warp step 512
  * contiguous bytes of a row-major row), or, on packed weights (abi.h),
- * groups of 8 lanes on 4 consecutive rows, so that a warp step reads 512
- * contiguous bytes of the 64-row block (a 128-byte slice of each row).
- * The groups take 4 items a warp: the phases give them only whole rounds
- * of every warp and the rest to whole warps, since a last round of 4-item
- * warps left most warps idle (Mixtral M = 1 +16%, H100). */
+ * groups of 8 (16) lanes on 4 (2) consecutive rows, so that a warp step
+ * reads 512 (2 x 256) contiguous bytes of the 64-row block (a 128-byte
+ * slice of each row). The phases give groups only whole rounds of every
+ * warp, 4-row groups first, then 2-row groups, and the rest to whole warps,
+ * since a last round of 4-item warps left most warps idle (Mixtral M = 1
+ * +16%, H100). The 2-row rounds took qwen3moe bf16 M = 1 (GEMM1 6144
+ * units on 2112 warps, no 4-row round) from 32.0 to 31.5 us, the rest
+ * flat (H200, 2026-11-28, logs/2026-11-28-nvidia-h200-ab-fused-lane-
+ * groups.txt); the phases call one instantiation a lane count
+ * (gemm1_rounds, gemm2_rounds): with the count a loop variable the
+ * forwards ran 5-22% slower. */
 struct row_lanes {
     int lanes, group, first, step; /* lanes a row, this lane's group, its first byte, bytes a step */
-    __device__ __forceinline__ explicit row_lanes(bool grouped)
+    __device__ __forceinline__ explicit row_lanes(int lanes_a_row)
     {
         const int lane = threadIdx.x & 31;
-        lanes = grouped ? 8 : 32;
+        lanes = lanes_a_row;
         group = lane / lanes;
         first = lane % lanes * 16;
         step = lanes * 16;
@@ -123,6 +129,14 @@ __device__ __forceinline__ void gemm1_item(const fused_args &a, const fused_head
     const int hbytes = static_cast<int>(a.H * sizeof(T));
     const gemm1_unit n(a, hd, u, cols);
     const uint8_t *xr = ops + static_cast<int64_t>(hd.valid[n.v] / a.top_k) * hbytes;
+    /* the bias loaded before the rows, so that its latency is not added to the unit's (gpt-oss bf16
+     * M = 1 / 2 -0.5 / -0.4%, H200, logs/2026-11-28-nvidia-h200-ab-fused-lane-groups.txt) */
+    const T *bias = static_cast<const T *>(a.b13);
+    T b0{}, b1{};
+    if (bias && rl.leader()) {
+        b0 = bias[n.e * a.n1 + n.r0];
+        b1 = bias[n.e * a.n1 + n.r1];
+    }
     float acc0 = 0.0f, acc1 = 0.0f;
     dot_rows<T>(weight_row_of(a.w13, a.w_packed, n.e, a.n1, n.r0, hbytes),
                 weight_row_of(a.w13, a.w_packed, n.e, a.n1, n.r1, hbytes), xr, xr, hbytes, rl.first, rl.step, acc0,
@@ -131,10 +145,9 @@ __device__ __forceinline__ void gemm1_item(const fused_args &a, const fused_head
     acc1 = rl.sum(acc1);
     if (!rl.leader())
         return;
-    const T *bias = static_cast<const T *>(a.b13);
     if (bias) {
-        acc0 += mx_to_float(bias[n.e * a.n1 + n.r0]);
-        acc1 += mx_to_float(bias[n.e * a.n1 + n.r1]);
+        acc0 += mx_to_float(b0);
+        acc1 += mx_to_float(b1);
     }
     T *dst = static_cast<T *>(a.act) + n.v * a.I;
     if (a.kind == MX_GEMM_UP) {
@@ -146,19 +159,37 @@ __device__ __forceinline__ void gemm1_item(const fused_args &a, const fused_head
     }
 }
 
+/* GEMM1 units [first, ...) in whole rounds of every warp by groups of
+ * LANES lanes a row (row_lanes), 32 / LANES consecutive units a warp;
+ * returns the first unit left. */
+template <typename T, int LANES>
+__device__ __forceinline__ int gemm1_rounds(const fused_args &a, const fused_head &hd, const uint8_t *ops, int first,
+                                            int units, int cols)
+{
+    const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+    const row_lanes rl(LANES);
+    constexpr int kRows = 32 / LANES;
+    const int groups = (units - first) / kRows / nw * nw;
+    for (int q = gw; q < groups; q += nw)
+        gemm1_item<T>(a, hd, ops, rl, first + kRows * q + rl.group, cols);
+    return first + kRows * groups;
+}
+
 /* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace.
- * Packed weights: units [0, 4 quads) by lane groups (row_lanes), quads
- * consecutive units in whole rounds of every warp; the rest a warp each. */
+ * Packed weights: first whole rounds of every warp taking 4, then 2
+ * consecutive units by lane groups (row_lanes); the rest a warp each. */
 template <typename T>
 __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
 {
     const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
     const int cols = static_cast<int>(a.kind == MX_GEMM_UP ? (a.I + 1) / 2 : a.I), units = hd.nvalid * cols;
-    const int quads = a.w_packed ? units / 4 / nw * nw : 0;
-    const row_lanes grouped(true), whole(false);
-    for (int q = gw; q < quads; q += nw)
-        gemm1_item<T>(a, hd, ops, grouped, 4 * q + grouped.group, cols);
-    for (int u = 4 * quads + gw; u < units; u += nw)
+    int first = 0; /* the first unit not yet taken by lane groups */
+    if (a.w_packed) {
+        first = gemm1_rounds<T, 8>(a, hd, ops, first, units, cols);
+        first = gemm1_rounds<T, 16>(a, hd, ops, first, units, cols);
+    }
+    const row_lanes whole(32);
+    for (int u = first + gw; u < units; u += nw)
         gemm1_item<T>(a, hd, ops, whole, u, cols);
 }
 
@@ -202,22 +233,41 @@ __device__ __forceinline__ void gemm2_items(const fused_args &a, const fused_hea
     }
 }
 
+/* GEMM2 items [first, ...) of this CTA in whole rounds of every warp by
+ * groups of LANES lanes a row (row_lanes): a warp takes 32 / LANES
+ * consecutive items and as many kWarps * 32 / LANES further on; returns
+ * the first item left. */
+template <typename T, int LANES>
+__device__ __forceinline__ int gemm2_rounds(const fused_args &a, const fused_head &hd, const uint8_t *ops, float *ys,
+                                            int64_t h0, int nrows, int first, int items)
+{
+    const int warp = threadIdx.x >> 5;
+    const row_lanes rl(LANES);
+    constexpr int kRows = 32 / LANES, kRound = 2 * kRows * kWarps;
+    const int end = first + (items - first) / kRound * kRound;
+    for (int q = first + kRows * warp; q < end; q += kRound)
+        gemm2_items<T>(a, hd, ops, ys, rl, h0, nrows, q + rl.group, q + rl.group + kRows * kWarps);
+    return end;
+}
+
 /* Phase 5: GEMM2 of the CTA's rows, then the top-k sum into out. A warp
  * takes items i and i + kWarps together; on packed weights, first whole
- * rounds of 8 items a warp by lane groups (row_lanes), 4 consecutive items
- * and the 4 after kWarps * 4 more. */
+ * rounds of 8 (4) items a warp by lane groups (row_lanes), 4 (2)
+ * consecutive items and as many kWarps * 4 (2) further on. */
 template <typename T>
 __device__ __forceinline__ void fused_gemm2(const fused_args &a, const fused_head &hd, const uint8_t *ops, float *ys)
 {
     int64_t h0, h1;
     cta_rows(a, h0, h1);
     const int nrows = static_cast<int>(h1 - h0), items = hd.nvalid * nrows;
-    const int warp = threadIdx.x >> 5, round = 8 * kWarps;
-    const int grouped_items = a.w_packed ? items / round * round : 0;
-    const row_lanes grouped(true), whole(false);
-    for (int q = 4 * warp; q < grouped_items; q += round)
-        gemm2_items<T>(a, hd, ops, ys, grouped, h0, nrows, q + grouped.group, q + grouped.group + 4 * kWarps);
-    for (int i0 = grouped_items + warp; i0 < items; i0 += 2 * kWarps)
+    const int warp = threadIdx.x >> 5;
+    int first = 0; /* the first item not yet taken by lane groups */
+    if (a.w_packed) {
+        first = gemm2_rounds<T, 8>(a, hd, ops, ys, h0, nrows, first, items);
+        first = gemm2_rounds<T, 16>(a, hd, ops, ys, h0, nrows, first, items);
+    }
+    const row_lanes whole(32);
+    for (int i0 = first + warp; i0 < items; i0 += 2 * kWarps)
         gemm2_items<T>(a, hd, ops, ys, whole, h0, nrows, i0, i0 + kWarps < items ? i0 + kWarps : i0);
     __syncthreads();
     const T *bias = static_cast<const T *>(a.b2);
