@@ -94,15 +94,16 @@ def test_packed_16bit_matches_row_major(case, dtype, gen, monkeypatch):
 @pytest.mark.parametrize("m", [1, 2])
 def test_packed_fused_lane_group_rounds(m, gen, monkeypatch):
     """The 16-bit one-launch decode on packed weights gives lane groups only whole rounds of every
-    warp: 4-row groups, then 2-row groups, then the rest a warp an item (decode_fused_16bit.cuh
-    row_lanes). Sized from the SM count (one CTA of 16 warps an SM) so that both GEMMs run all
-    three forms: GEMM1 8 slots x I units, GEMM2 8 slots x ~24.5 rows a CTA."""
+    warp, the rest a warp an item (decode_fused_16bit.cuh row_lanes): GEMM1 4-row groups, GEMM2
+    4-row, then 2-row groups. Sized from the SM count (one CTA of 16 warps an SM) so that each
+    GEMM runs every form it has: GEMM1 8 slots x I units, GEMM2 8 slots x ~24.5 rows a CTA."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     warps = 16 * sms
     e, k = 8, 8 // m
-    i = 64 * math.ceil((6 * warps + 64) / (8 * 64))
+    i = 64 * math.ceil((4 * warps + 64) / (8 * 64))
     h = 64 * math.ceil(24.5 * sms / 64)
-    assert (8 * i) // 4 >= warps and (8 * i - 4 * warps) // 2 >= warps and (8 * i) % 2 == 0
+    assert (8 * i) // 4 >= warps and 8 * i > 4 * warps  # a 4-row round and a rest
+    assert 8 * (h // sms) >= 128 + 64  # GEMM2: every CTA a 4-row and a 2-row round
     packed, row_major, _, reference = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
     x, logits = forward_inputs(gen, m, h, e)
     names = kernels_of(lambda: packed(x, logits))

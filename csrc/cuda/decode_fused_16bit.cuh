@@ -25,14 +25,14 @@ template <typename T> __device__ __forceinline__ float dot8(uint4 w, uint4 a, fl
  * groups of 8 (16) lanes on 4 (2) consecutive rows, so that a warp step
  * reads 512 (2 x 256) contiguous bytes of the 64-row block (a 128-byte
  * slice of each row). The phases give groups only whole rounds of every
- * warp, 4-row groups first, then 2-row groups, and the rest to whole warps,
- * since a last round of 4-item warps left most warps idle (Mixtral M = 1
- * +16%, H100). The 2-row rounds took qwen3moe bf16 M = 1 (GEMM1 6144
- * units on 2112 warps, no 4-row round) from 32.0 to 31.5 us, the rest
- * flat (H200, 2026-11-28, logs/2026-11-28-nvidia-h200-ab-fused-lane-
- * groups.txt); the phases call one instantiation a lane count
- * (gemm1_rounds, gemm2_rounds): with the count a loop variable the
- * forwards ran 5-22% slower. */
+ * warp (GEMM1 4-row groups; GEMM2 4-row, then 2-row groups) and the rest
+ * to whole warps, since a last round of 4-item warps left most warps idle
+ * (Mixtral M = 1 +16%, H100). GEMM2's 2-row rounds with GEMM1's bias
+ * loaded early: qwen3moe bf16 M = 1 32.2 -> 31.8 us, gpt-oss M = 1 / 2
+ * -1.0 / -0.5%; 2-row rounds in GEMM1 too were flat to 3% slower (H200,
+ * 2026-11-28, logs/2026-11-28-nvidia-h200-ab-fused-lane-groups.txt). The
+ * phases call one instantiation a lane count (gemm1_rounds, gemm2_rounds):
+ * with the count a loop variable the forwards ran 5-22% slower. */
 struct row_lanes {
     int lanes, group, first, step; /* lanes a row, this lane's group, its first byte, bytes a step */
     __device__ __forceinline__ explicit row_lanes(int lanes_a_row)
@@ -176,18 +176,16 @@ __device__ __forceinline__ int gemm1_rounds(const fused_args &a, const fused_hea
 }
 
 /* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace.
- * Packed weights: first whole rounds of every warp taking 4, then 2
- * consecutive units by lane groups (row_lanes); the rest a warp each. */
+ * Packed weights: first whole rounds of every warp taking 4 consecutive
+ * units by lane groups (row_lanes); the rest a warp each. */
 template <typename T>
 __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
 {
     const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
     const int cols = static_cast<int>(a.kind == MX_GEMM_UP ? (a.I + 1) / 2 : a.I), units = hd.nvalid * cols;
     int first = 0; /* the first unit not yet taken by lane groups */
-    if (a.w_packed) {
+    if (a.w_packed)
         first = gemm1_rounds<T, 8>(a, hd, ops, first, units, cols);
-        first = gemm1_rounds<T, 16>(a, hd, ops, first, units, cols);
-    }
     const row_lanes whole(32);
     for (int u = first + gw; u < units; u += nw)
         gemm1_item<T>(a, hd, ops, whole, u, cols);
