@@ -31,8 +31,9 @@ template <typename T> __device__ __forceinline__ float dot8(uint4 w, uint4 a, fl
  * loaded early: qwen3moe bf16 M = 1 32.2 -> 31.8 us, gpt-oss M = 1 / 2
  * -1.0 / -0.5%; 2-row rounds in GEMM1 too were flat to 3% slower (H200,
  * 2026-11-28, logs/2026-11-28-nvidia-h200-ab-fused-lane-groups.txt). The
- * phases call one instantiation a lane count (gemm1_rounds, gemm2_rounds):
- * with the count a loop variable the forwards ran 5-22% slower. */
+ * lane counts are constants where the phases use them (gemm2_rounds is a
+ * template on it): with the count a loop variable the forwards ran 5-22%
+ * slower. */
 struct row_lanes {
     int lanes, group, first, step; /* lanes a row, this lane's group, its first byte, bytes a step */
     __device__ __forceinline__ explicit row_lanes(int lanes_a_row)
@@ -159,22 +160,6 @@ __device__ __forceinline__ void gemm1_item(const fused_args &a, const fused_head
     }
 }
 
-/* GEMM1 units [first, ...) in whole rounds of every warp by groups of
- * LANES lanes a row (row_lanes), 32 / LANES consecutive units a warp;
- * returns the first unit left. */
-template <typename T, int LANES>
-__device__ __forceinline__ int gemm1_rounds(const fused_args &a, const fused_head &hd, const uint8_t *ops, int first,
-                                            int units, int cols)
-{
-    const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-    const row_lanes rl(LANES);
-    constexpr int kRows = 32 / LANES;
-    const int groups = (units - first) / kRows / nw * nw;
-    for (int q = gw; q < groups; q += nw)
-        gemm1_item<T>(a, hd, ops, rl, first + kRows * q + rl.group, cols);
-    return first + kRows * groups;
-}
-
 /* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace.
  * Packed weights: first whole rounds of every warp taking 4 consecutive
  * units by lane groups (row_lanes); the rest a warp each. */
@@ -184,8 +169,13 @@ __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_hea
     const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
     const int cols = static_cast<int>(a.kind == MX_GEMM_UP ? (a.I + 1) / 2 : a.I), units = hd.nvalid * cols;
     int first = 0; /* the first unit not yet taken by lane groups */
-    if (a.w_packed)
-        first = gemm1_rounds<T, 8>(a, hd, ops, first, units, cols);
+    if (a.w_packed) {
+        const row_lanes grouped(8);
+        const int quads = units / 4 / nw * nw;
+        for (int q = gw; q < quads; q += nw)
+            gemm1_item<T>(a, hd, ops, grouped, 4 * q + grouped.group, cols);
+        first = 4 * quads;
+    }
     const row_lanes whole(32);
     for (int u = first + gw; u < units; u += nw)
         gemm1_item<T>(a, hd, ops, whole, u, cols);
