@@ -12,11 +12,11 @@ import torch
 
 import moe_ext
 from moe_ext import packing
-from helpers import (capture_forward, decode_fused, expert_weights, kernels_of, make_layer, on_hopper, randn,
-                     replay)
+from helpers import capture_forward, decode_fused, expert_weights, make_layer, on_hopper, randn, replay
 import reference as ref
 from test_fp8 import FP8_TOL, METHODS, compare, fp8_model, fp8_reference
 from test_gpu import check
+from test_gpu_decode_fused import only_fused
 from test_loading import checkpoint, vllm_load
 
 pytestmark = [pytest.mark.gpu,
@@ -106,8 +106,7 @@ def test_packed_fused_lane_group_rounds(m, gen, monkeypatch):
     assert 8 * (h // sms) >= 128 + 64  # GEMM2: every CTA a 4-row and a 2-row round
     packed, row_major, _, reference = layer_pair(gen, torch.bfloat16, e, k, h, i, {}, monkeypatch)
     x, logits = forward_inputs(gen, m, h, e)
-    names = kernels_of(lambda: packed(x, logits))
-    assert len(names) == 1 and "decode_fused_kernel" in names[0], names
+    only_fused(lambda: packed(x, logits))
     out = packed(x, logits)
     want, margin = reference(x, logits)
     check(out, want, margin, torch.bfloat16)
