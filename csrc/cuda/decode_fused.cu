@@ -22,8 +22,9 @@
  * 16-bit weights, M <= 2 (decode_fused_16bit.cuh): a warp per (slot, act
  * column) or two (slot, row) items, dot products on the CUDA cores, 16
  * bytes a lane per step (packed weights: 8 lanes an item, 4 consecutive
- * items a warp; GEMM2 also 16 lanes an item, 2 consecutive items a warp). FP8, M = 1 (decode_fused_fp8.cuh): 16-row units on
- * tensor cores (m16n8k32 e4m3, the token as column 0), K split over warps.
+ * items a warp; GEMM2 also 16 lanes an item, 2 consecutive items a warp).
+ * FP8, M = 1 (decode_fused_fp8.cuh): 16-row units on tensor cores
+ * (m16n8k32 e4m3, the token as column 0), K split over warps.
  *
  * Where it is taken (fused_usable): bfloat16 / float16 activations,
  * 16-byte rows and bases, its shared memory within kMaxSmem, a
