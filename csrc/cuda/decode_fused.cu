@@ -14,8 +14,14 @@
  *      do; apply_router_weight_on_input: times the rounded weight);
  *   2. GEMM1 and the activation; act, rounded to T, to the workspace (per
  *      tensor FP8: each CTA's act amax too);
- *   3. one grid barrier; before it each CTA prefetches its first GEMM2
- *      weight rows into L2, so the weight stream runs on through it;
+ *   3. one grid barrier; each CTA arrives, then prefetches its first GEMM2
+ *      weight rows into L2 (so the weight stream runs on through the
+ *      barrier), then waits. Arriving after the prefetch, the barrier
+ *      ended 3.0 / 4.4 us after the last CTA's GEMM1 at qwen3moe / gpt-oss
+ *      bf16 M = 1 (1.3 at Mixtral, which prefetches nothing); arriving
+ *      first: gpt-oss M = 1 / 2 -2.6 / -1.6%, qwen3moe fp8_block / fp8_tensor
+ *      M = 1 -2.5 / -1.4% (H200, 2026-11-28,
+ *      logs/2026-11-28-nvidia-h200-ab-fused-barrier-arrive.txt);
  *   4. act into shared memory (FP8: quantized as the act quantizers do);
  *   5. GEMM2; then out[t, h] = sum over the local slots in slot order of
  *      (y + b2) * w, float32, rounded once (moe_sum's order).
@@ -45,6 +51,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "decode_fused.cuh"
 #include "decode_fused_16bit.cuh"
@@ -67,8 +74,10 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
         fused_gemm1<T>(a, hd, ops);
         int64_t h0, h1;
         cta_rows(a, h0, h1);
+        cg::grid_group grid = cg::this_grid();
+        cg::grid_group::arrival_token arrived = grid.barrier_arrive();
         fused_prefetch_w2(a, hd, h0, h1 - h0, a.I * static_cast<int64_t>(sizeof(T)));
-        cg::this_grid().sync();
+        grid.barrier_wait(std::move(arrived));
         fused_stage_act<T>(a, hd, ops);
         fused_gemm2<T>(a, hd, ops, ys);
     } else {
@@ -76,8 +85,10 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
         float *asc = reinterpret_cast<float *>(fused_smem + a.off_asc);
         fused_stage_x_fp8<T, Q>(a, hd, ops, xsc);
         fused_gemm1_fp8<T, Q>(a, hd, ops, xsc, ys);
+        cg::grid_group grid = cg::this_grid();
+        cg::grid_group::arrival_token arrived = grid.barrier_arrive();
         fused_prefetch_w2(a, hd, 16 * static_cast<int64_t>(blockIdx.x), blockIdx.x < a.H / 16 ? 16 : 0, a.I);
-        cg::this_grid().sync();
+        grid.barrier_wait(std::move(arrived));
         fused_stage_act_fp8<T, Q>(a, hd, ops, asc);
         fused_gemm2_fp8<T, Q>(a, hd, ops, asc, ys);
     }
