@@ -11,7 +11,8 @@
  *      caller's ids, and maps them to local slots (slots of other ranks and
  *      out-of-range ids contribute nothing)            (decode_fused.cuh);
  *   1. the x rows into shared memory (FP8: quantized as the x quantizers
- *      do; apply_router_weight_on_input: times the rounded weight);
+ *      do; apply_router_weight_on_input: times the rounded weight); 16-bit
+ *      without that weight: by the warps phase 0 leaves idle, beside it;
  *   2. GEMM1 and the activation; act, rounded to T, to the workspace (per
  *      tensor FP8: each CTA's act amax too);
  *   3. one grid barrier; each CTA arrives, then prefetches its first GEMM2
@@ -68,9 +69,17 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     uint8_t *ops = fused_smem + a.off_ops;
     float *ys = reinterpret_cast<float *>(fused_smem + a.off_ys);
 
-    fused_route(a, hd, reinterpret_cast<float *>(ops));
+    float *route_rows = reinterpret_cast<float *>(fused_smem + a.off_route);
     if constexpr (Q == Q_NONE) {
-        fused_stage_x<T>(a, hd, ops);
+        /* x staged beside the routing unless it is scaled by the routing's weights */
+        fused_route(a, hd, route_rows, [&] {
+            if (!a.weight_on_input)
+                fused_stage_x<T>(a, hd, ops, 32 * kMaxTokens);
+        });
+        if (a.weight_on_input) {
+            fused_stage_x<T>(a, hd, ops, 0);
+            __syncthreads();
+        }
         fused_gemm1<T>(a, hd, ops);
         int64_t h0, h1;
         cta_rows(a, h0, h1);
@@ -83,6 +92,7 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     } else {
         float *xsc = reinterpret_cast<float *>(fused_smem + a.off_xsc);
         float *asc = reinterpret_cast<float *>(fused_smem + a.off_asc);
+        fused_route(a, hd, route_rows, [] {});
         fused_stage_x_fp8<T, Q>(a, hd, ops, xsc);
         fused_gemm1_fp8<T, Q>(a, hd, ops, xsc, ys);
         cg::grid_group grid = cg::this_grid();
@@ -95,12 +105,12 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
 }
 
 struct fused_layout {
-    size_t off_ops, off_ys, off_xsc, off_asc, smem;
+    size_t off_ops, off_route, off_ys, off_xsc, off_asc, smem;
     int64_t rows_max;
 };
 
-/* Shared memory of a launch on grid CTAs: the head, x or act rows (the
- * routing rows before them), GEMM2's dot products (16-bit) or the warps'
+/* Shared memory of a launch on grid CTAs: the head, x or act rows, the
+ * routing warps' rows, GEMM2's dot products (16-bit) or the warps'
  * partial sums (FP8), the FP8 block scales of x and act; 0 when that
  * exceeds kMaxSmem. */
 size_t fused_plan(const mx_experts_problem *p, int grid, fused_layout *l)
@@ -112,11 +122,10 @@ size_t fused_plan(const mx_experts_problem *p, int grid, fused_layout *l)
     int64_t ops = M * p->hidden_size * es;
     if (pairs * p->intermediate_size * es > ops)
         ops = pairs * p->intermediate_size * es;
-    if (p->routing && M * static_cast<int64_t>(route_warp_bytes(p->routing->num_experts)) > ops)
-        ops = M * static_cast<int64_t>(route_warp_bytes(p->routing->num_experts));
     size_t at = 0;
     mx_ws_take(&at, sizeof(fused_head));
     l->off_ops = mx_ws_take(&at, static_cast<size_t>(ops));
+    l->off_route = mx_ws_take(&at, p->routing ? M * route_warp_bytes(p->routing->num_experts) : 0);
     l->off_ys = mx_ws_take(&at, fp8 ? sizeof(float) * 16 * kWarps
                                     : sizeof(float) * static_cast<size_t>(pairs * l->rows_max));
     l->off_xsc = mx_ws_take(&at, fp8 ? sizeof(float) * static_cast<size_t>(p->hidden_size / kFp8Block) : 0);
@@ -281,6 +290,7 @@ extern "C" int mx_cuda_decode_fused(const mx_experts_problem *p, void *workspace
     a.act = ws + mx_ws_take(&at, mx_dtype_size(p->act_dtype) * static_cast<size_t>(a.M * a.top_k * a.I));
     a.amax_parts = reinterpret_cast<float *>(ws + mx_ws_take(&at, sizeof(float) * kMaxCtas));
     a.off_ops = l.off_ops;
+    a.off_route = l.off_route;
     a.off_ys = l.off_ys;
     a.off_xsc = l.off_xsc;
     a.off_asc = l.off_asc;

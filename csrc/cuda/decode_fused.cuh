@@ -39,6 +39,7 @@ struct fused_args {
     float *amax_parts;          /* FP8 per tensor: act amax of each CTA */
     size_t off_ops, off_ys;     /* shared memory: x or act rows, GEMM2's dot products (16-bit) or the
                                    warps' partial sums (FP8) */
+    size_t off_route;           /* shared memory: the routing warps' rows (route_warp_bytes each) */
     size_t off_xsc, off_asc;    /* FP8 block scales of x and act rows */
     int64_t rows_max;           /* GEMM2 rows of a CTA, at most */
 };
@@ -89,8 +90,10 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes)
 #endif
 }
 
-/* Phase 0: routing (or the caller's ids) and the local slots. */
-__device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd, float *rows)
+/* Phase 0: routing (or the caller's ids) and the local slots; warps
+ * kMaxTokens.. meanwhile run beside(), work that needs no routing. */
+template <typename Beside>
+__device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd, float *rows, Beside beside)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pairs = static_cast<int>(a.M) * a.top_k;
@@ -107,6 +110,8 @@ __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd,
             case 8: route_token<8>(r, warp, mine, lane, nullptr); break;
             default: route_token<0>(r, warp, mine, lane, nullptr); break;
             }
+        } else if (warp >= kMaxTokens) {
+            beside();
         }
         __syncthreads();
         if (blockIdx.x == 0)
@@ -115,10 +120,13 @@ __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd,
                 a.routing.topk_ids[p] = hd.ids[p];
             }
     } else {
-        for (int p = threadIdx.x; p < pairs; p += kThreads) {
-            hd.ids[p] = a.topk_ids[p];
-            hd.weights[p] = a.topk_weights[p];
-        }
+        if (warp >= kMaxTokens)
+            beside();
+        else
+            for (int p = threadIdx.x; p < pairs; p += 32 * kMaxTokens) {
+                hd.ids[p] = a.topk_ids[p];
+                hd.weights[p] = a.topk_weights[p];
+            }
         __syncthreads();
     }
     if (threadIdx.x == 0) {

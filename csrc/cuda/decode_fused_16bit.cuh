@@ -83,13 +83,16 @@ __device__ __forceinline__ void dot_rows(const weight_row w0, const weight_row w
     }
 }
 
-/* Phase 1: the x rows, one per token (two elements a thread and step). */
+/* Phase 1: the x rows, one per token (two elements a thread and step), by
+ * threads [first, kThreads); the caller synchronizes after. */
 template <typename T>
-__device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_head &hd, uint8_t *ops)
+__device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_head &hd, uint8_t *ops, int first)
 {
     const T *x = static_cast<const T *>(a.x);
     const int64_t half = a.H / 2;
-    for (int64_t i = threadIdx.x; i < a.M * half; i += kThreads) {
+    if (static_cast<int>(threadIdx.x) < first)
+        return;
+    for (int64_t i = threadIdx.x - first; i < a.M * half; i += kThreads - first) {
         const int t = static_cast<int>(i / half);
         const int64_t c = (i - t * half) * 2;
         float v0 = mx_to_float(x[t * a.H + c]), v1 = mx_to_float(x[t * a.H + c + 1]);
@@ -100,7 +103,6 @@ __device__ __forceinline__ void fused_stage_x(const fused_args &a, const fused_h
         }
         *reinterpret_cast<uint32_t *>(ops + (t * a.H + c) * sizeof(T)) = mx_pack2<T>(v0, v1);
     }
-    __syncthreads();
 }
 
 /* GEMM1 unit u: slot index v (slowest), act column c, weight rows r0 / r1
