@@ -137,12 +137,6 @@ __device__ __forceinline__ void mx_griddep_launch_dependents()
 #endif
 }
 
-/* Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads. */
-__device__ __forceinline__ void named_barrier_sync(int id, int threads)
-{
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 /* The rule's wait, then the trigger; dependents_first: the trigger first
  * (the exception above, for kernels whose dependents read nothing of the
  * kernel before them before their own wait). */

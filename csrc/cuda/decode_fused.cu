@@ -11,8 +11,8 @@
  *      caller's ids, and maps them to local slots (slots of other ranks and
  *      out-of-range ids contribute nothing)            (decode_fused.cuh);
  *   1. the x rows into shared memory (FP8: quantized as the x quantizers
- *      do; apply_router_weight_on_input: times the rounded weight); but
- *      for that weight, by the warps phase 0 leaves idle, beside it;
+ *      do; apply_router_weight_on_input: times the rounded weight); 16-bit
+ *      without that weight: by the warps phase 0 leaves idle, beside it;
  *   2. GEMM1 and the activation; act, rounded to T, to the workspace (per
  *      tensor FP8: each CTA's act amax too);
  *   3. one grid barrier; each CTA arrives, then prefetches its first GEMM2
@@ -92,7 +92,8 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     } else {
         float *xsc = reinterpret_cast<float *>(fused_smem + a.off_xsc);
         float *asc = reinterpret_cast<float *>(fused_smem + a.off_asc);
-        fused_route(a, hd, route_rows, [&] { fused_stage_x_fp8<T, Q>(a, hd, ops, xsc); });
+        fused_route(a, hd, route_rows, [] {});
+        fused_stage_x_fp8<T, Q>(a, hd, ops, xsc);
         fused_gemm1_fp8<T, Q>(a, hd, ops, xsc, ys);
         cg::grid_group grid = cg::this_grid();
         cg::grid_group::arrival_token arrived = grid.barrier_arrive();

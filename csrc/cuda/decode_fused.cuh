@@ -52,7 +52,6 @@ struct fused_head {
     int32_t vq[kMaxPairs];     /* pair -> its index in valid */
     int32_t nvalid;
     uint32_t amax_bits;
-    uint32_t x_amax_bits[kWarps]; /* FP8 per tensor: the x amax of each warp staging x */
     float x_scale, act_scale; /* FP8 per tensor */
 };
 

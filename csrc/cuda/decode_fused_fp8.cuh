@@ -79,16 +79,13 @@ __device__ __forceinline__ void mma_rows(const weight_row w_lo, const weight_row
 
 /* Quantizes rows [nrows][cols] of values val(row, c) into ops (row stride
  * ld bytes) with per-(row, 128 columns) scales into sc (row stride blocks):
- * a warp per (row, group) of warps [first_warp, kWarps), the group
- * quantizer's formulas. */
+ * a warp per (row, group), the group quantizer's formulas. */
 template <typename Val>
 __device__ __forceinline__ void quant_groups(int nrows, int64_t cols, int64_t blocks, uint8_t *ops, int64_t ld,
-                                             float *sc, int first_warp, Val val)
+                                             float *sc, Val val)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (warp < first_warp)
-        return;
-    for (int64_t u = warp - first_warp; u < nrows * blocks; u += kWarps - first_warp) {
+    for (int64_t u = warp; u < nrows * blocks; u += kWarps) {
         const int row = static_cast<int>(u / blocks);
         const int64_t c0 = (u % blocks) * kFp8Block + lane * 4;
         float v[4], amax = 0.0f;
@@ -108,16 +105,11 @@ __device__ __forceinline__ void quant_groups(int nrows, int64_t cols, int64_t bl
     }
 }
 
-/* Per-tensor quantization of rows [nrows][cols] with inv = 1 / s by
- * threads [first, kThreads). */
+/* Per-tensor quantization of rows [nrows][cols] with inv = 1 / s. */
 template <typename Val>
-__device__ __forceinline__ void quant_tensor(int nrows, int64_t cols, uint8_t *ops, int64_t ld, float inv, int first,
-                                             Val val)
+__device__ __forceinline__ void quant_tensor(int nrows, int64_t cols, uint8_t *ops, int64_t ld, float inv, Val val)
 {
-    const int me = static_cast<int>(threadIdx.x) - first;
-    if (me < 0)
-        return;
-    for (int64_t i = me; i < nrows * (cols / 4); i += kThreads - first) {
+    for (int64_t i = threadIdx.x; i < nrows * (cols / 4); i += kThreads) {
         const int row = static_cast<int>(i / (cols / 4));
         const int64_t c = (i % (cols / 4)) * 4;
         uint32_t q = 0;
@@ -130,35 +122,32 @@ __device__ __forceinline__ void quant_tensor(int nrows, int64_t cols, uint8_t *o
 
 /* Phase 1 (FP8): the token's x row quantized as the x quantizers do it (a
  * token without a local slot has no GEMM1 units, so the pipeline's row
- * filter changes nothing at one token), by warps kMaxTokens.. while
- * routing runs (fused_route's beside(); its barrier ends the phase); per
- * tensor, the staging warps' amax meet at named barrier 1. */
+ * filter changes nothing at one token). */
 template <typename T, int Q>
 __device__ __forceinline__ void fused_stage_x_fp8(const fused_args &a, fused_head &hd, uint8_t *ops, float *xsc)
 {
-    constexpr int first = 32 * kMaxTokens, warps = kWarps - kMaxTokens;
     const T *x = static_cast<const T *>(a.x);
     auto xv = [&](int, int64_t c) { return mx_to_float(x[c]); };
     if constexpr (Q == Q_BLOCK) {
-        quant_groups(1, a.H, a.H / kFp8Block, ops, a.H, xsc, kMaxTokens, xv);
+        quant_groups(1, a.H, a.H / kFp8Block, ops, a.H, xsc, xv);
     } else {
-        const int me = static_cast<int>(threadIdx.x) - first;
         float amax = 0.0f;
 #pragma unroll 4
-        for (int64_t c = me; c < a.H; c += kThreads - first) /* the loads issued together */
+        for (int64_t c = threadIdx.x; c < a.H; c += kThreads) /* the loads issued together */
             amax = mx_amax_step(amax, xv(0, c));
         amax = mx_warp_max(amax);
-        if ((me & 31) == 0)
-            hd.x_amax_bits[me / 32] = __float_as_uint(amax);
-        named_barrier_sync(1, 32 * warps);
-        uint32_t bits = 0u; /* mx_atomic_amax's order: the largest bits */
-        for (int w = 0; w < warps; ++w)
-            bits = max(bits, hd.x_amax_bits[w]);
-        const float sx = mx_fp8_tensor_scale(__uint_as_float(bits));
-        quant_tensor(1, a.H, ops, a.H, __fdiv_rn(1.0f, sx), first, xv);
-        if (me == 0)
+        if ((threadIdx.x & 31) == 0)
+            mx_atomic_amax(&hd.amax_bits, amax);
+        __syncthreads();
+        const float sx = mx_fp8_tensor_scale(__uint_as_float(hd.amax_bits));
+        quant_tensor(1, a.H, ops, a.H, __fdiv_rn(1.0f, sx), xv);
+        __syncthreads();
+        if (threadIdx.x == 0) {
             hd.x_scale = sx;
+            hd.amax_bits = 0u; /* now GEMM1's act amax */
+        }
     }
+    __syncthreads();
 }
 
 /* Phase 2 (FP8): GEMM1 of the gated kind. A unit is 8 act columns of one
@@ -235,7 +224,7 @@ __device__ __forceinline__ void fused_stage_act_fp8(const fused_args &a, fused_h
     const T *act = static_cast<const T *>(a.act);
     auto av = [&](int v, int64_t c) { return mx_to_float(__ldcg(act + v * a.I + c)); };
     if constexpr (Q == Q_BLOCK) {
-        quant_groups(hd.nvalid, a.I, a.I / kFp8Block, ops, a.I, asc, 0, av);
+        quant_groups(hd.nvalid, a.I, a.I / kFp8Block, ops, a.I, asc, av);
     } else {
         /* every CTA's partial, a thread each (one L2 round trip), into hd.amax_bits, which holds this
          * CTA's own partial already */
@@ -249,7 +238,7 @@ __device__ __forceinline__ void fused_stage_act_fp8(const fused_args &a, fused_h
         if (threadIdx.x == 0)
             hd.act_scale = mx_fp8_tensor_scale(__uint_as_float(hd.amax_bits));
         __syncthreads();
-        quant_tensor(hd.nvalid, a.I, ops, a.I, __fdiv_rn(1.0f, hd.act_scale), 0, av);
+        quant_tensor(hd.nvalid, a.I, ops, a.I, __fdiv_rn(1.0f, hd.act_scale), av);
     }
     __syncthreads();
 }
