@@ -164,11 +164,13 @@ __device__ __forceinline__ void gemm1_item(const fused_args &a, const fused_head
 
 /* Phase 2: GEMM1 and the activation; act [nvalid, I] in T to the workspace.
  * Packed weights: first whole rounds of every warp taking 4 consecutive
- * units by lane groups (row_lanes); the rest a warp each. */
+ * units by lane groups (row_lanes); the rest a warp each. Warps are
+ * numbered CTA fastest, so that the units left over after whole rounds
+ * spread over the CTAs: no CTA holds more than one more than another. */
 template <typename T>
 __device__ __forceinline__ void fused_gemm1(const fused_args &a, const fused_head &hd, const uint8_t *ops)
 {
-    const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+    const int gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x, nw = gridDim.x * kWarps;
     const int cols = static_cast<int>(a.kind == MX_GEMM_UP ? (a.I + 1) / 2 : a.I), units = hd.nvalid * cols;
     int first = 0; /* the first unit not yet taken by lane groups */
     if (a.w_packed) {
