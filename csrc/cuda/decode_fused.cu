@@ -72,9 +72,9 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     float *route_rows = reinterpret_cast<float *>(fused_smem + a.off_route);
     if constexpr (Q == Q_NONE) {
         /* x staged beside the routing unless it is scaled by the routing's weights */
-        fused_route(a, hd, route_rows, [&] {
+        fused_route(a, hd, route_rows, [&](int first) {
             if (!a.weight_on_input)
-                fused_stage_x<T>(a, hd, ops, 32 * kMaxTokens);
+                fused_stage_x<T>(a, hd, ops, first);
         });
         if (a.weight_on_input) {
             fused_stage_x<T>(a, hd, ops, 0);
@@ -92,7 +92,7 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     } else {
         float *xsc = reinterpret_cast<float *>(fused_smem + a.off_xsc);
         float *asc = reinterpret_cast<float *>(fused_smem + a.off_asc);
-        fused_route(a, hd, route_rows, [] {});
+        fused_route(a, hd, route_rows, [](int) {});
         fused_stage_x_fp8<T, Q>(a, hd, ops, xsc);
         fused_gemm1_fp8<T, Q>(a, hd, ops, xsc, ys);
         cg::grid_group grid = cg::this_grid();

@@ -90,11 +90,13 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes)
 #endif
 }
 
-/* Phase 0: routing (or the caller's ids) and the local slots; warps
- * kMaxTokens.. meanwhile run beside(), work that needs no routing. */
+/* Phase 0: routing (or the caller's ids) and the local slots; the warps
+ * from kMaxTokens on meanwhile run beside(first), work that needs no
+ * routing, given the first of their threads. */
 template <typename Beside>
 __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd, float *rows, Beside beside)
 {
+    constexpr int idle_first = 32 * kMaxTokens; /* the first thread of warp kMaxTokens */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pairs = static_cast<int>(a.M) * a.top_k;
     if (a.routed) {
@@ -111,7 +113,7 @@ __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd,
             default: route_token<0>(r, warp, mine, lane, nullptr); break;
             }
         } else if (warp >= kMaxTokens) {
-            beside();
+            beside(idle_first);
         }
         __syncthreads();
         if (blockIdx.x == 0)
@@ -121,9 +123,9 @@ __device__ __forceinline__ void fused_route(const fused_args &a, fused_head &hd,
             }
     } else {
         if (warp >= kMaxTokens)
-            beside();
+            beside(idle_first);
         else
-            for (int p = threadIdx.x; p < pairs; p += 32 * kMaxTokens) {
+            for (int p = threadIdx.x; p < pairs; p += idle_first) {
                 hd.ids[p] = a.topk_ids[p];
                 hd.weights[p] = a.topk_weights[p];
             }
