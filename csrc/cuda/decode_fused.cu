@@ -12,7 +12,8 @@
  *      out-of-range ids contribute nothing)            (decode_fused.cuh);
  *   1. the x rows into shared memory (FP8: quantized as the x quantizers
  *      do; apply_router_weight_on_input: times the rounded weight); 16-bit
- *      without that weight: by the warps phase 0 leaves idle, beside it;
+ *      without that weight and FP8 block-scaled: by the warps phase 0
+ *      leaves idle, beside it;
  *   2. GEMM1 and the activation; act, rounded to T, to the workspace (per
  *      tensor FP8: each CTA's act amax too);
  *   3. one grid barrier; each CTA arrives, then prefetches its first GEMM2
@@ -92,8 +93,12 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     } else {
         float *xsc = reinterpret_cast<float *>(fused_smem + a.off_xsc);
         float *asc = reinterpret_cast<float *>(fused_smem + a.off_asc);
-        fused_route(a, hd, route_rows, [](int) {});
-        fused_stage_x_fp8<T, Q>(a, hd, ops, xsc);
+        if constexpr (Q == Q_BLOCK) {
+            fused_route(a, hd, route_rows, [&](int first) { fused_stage_x_fp8_block<T>(a, ops, xsc, first); });
+        } else {
+            fused_route(a, hd, route_rows, [](int) {});
+            fused_stage_x_fp8_tensor<T>(a, hd, ops);
+        }
         fused_gemm1_fp8<T, Q>(a, hd, ops, xsc, ys);
         cg::grid_group grid = cg::this_grid();
         cg::grid_group::arrival_token arrived = grid.barrier_arrive();

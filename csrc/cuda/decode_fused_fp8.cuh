@@ -79,13 +79,16 @@ __device__ __forceinline__ void mma_rows(const weight_row w_lo, const weight_row
 
 /* Quantizes rows [nrows][cols] of values val(row, c) into ops (row stride
  * ld bytes) with per-(row, 128 columns) scales into sc (row stride blocks):
- * a warp per (row, group), the group quantizer's formulas. */
+ * a warp per (row, group) of warps [first_warp, kWarps), the group
+ * quantizer's formulas. */
 template <typename Val>
 __device__ __forceinline__ void quant_groups(int nrows, int64_t cols, int64_t blocks, uint8_t *ops, int64_t ld,
-                                             float *sc, Val val)
+                                             float *sc, int first_warp, Val val)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int64_t u = warp; u < nrows * blocks; u += kWarps) {
+    if (warp < first_warp)
+        return;
+    for (int64_t u = warp - first_warp; u < nrows * blocks; u += kWarps - first_warp) {
         const int row = static_cast<int>(u / blocks);
         const int64_t c0 = (u % blocks) * kFp8Block + lane * 4;
         float v[4], amax = 0.0f;
@@ -122,30 +125,38 @@ __device__ __forceinline__ void quant_tensor(int nrows, int64_t cols, uint8_t *o
 
 /* Phase 1 (FP8): the token's x row quantized as the x quantizers do it (a
  * token without a local slot has no GEMM1 units, so the pipeline's row
- * filter changes nothing at one token). */
-template <typename T, int Q>
-__device__ __forceinline__ void fused_stage_x_fp8(const fused_args &a, fused_head &hd, uint8_t *ops, float *xsc)
+ * filter changes nothing at one token). Block scales: by the warps from
+ * thread `first` on, beside routing (fused_route's barrier ends the
+ * phase). */
+template <typename T>
+__device__ __forceinline__ void fused_stage_x_fp8_block(const fused_args &a, uint8_t *ops, float *xsc, int first)
+{
+    const T *x = static_cast<const T *>(a.x);
+    quant_groups(1, a.H, a.H / kFp8Block, ops, a.H, xsc, first / 32,
+                 [&](int, int64_t c) { return mx_to_float(x[c]); });
+}
+
+/* Phase 1 (FP8 per tensor), after routing: x's amax over the CTA, then the
+ * row quantized with its scale. */
+template <typename T>
+__device__ __forceinline__ void fused_stage_x_fp8_tensor(const fused_args &a, fused_head &hd, uint8_t *ops)
 {
     const T *x = static_cast<const T *>(a.x);
     auto xv = [&](int, int64_t c) { return mx_to_float(x[c]); };
-    if constexpr (Q == Q_BLOCK) {
-        quant_groups(1, a.H, a.H / kFp8Block, ops, a.H, xsc, xv);
-    } else {
-        float amax = 0.0f;
+    float amax = 0.0f;
 #pragma unroll 4
-        for (int64_t c = threadIdx.x; c < a.H; c += kThreads) /* the loads issued together */
-            amax = mx_amax_step(amax, xv(0, c));
-        amax = mx_warp_max(amax);
-        if ((threadIdx.x & 31) == 0)
-            mx_atomic_amax(&hd.amax_bits, amax);
-        __syncthreads();
-        const float sx = mx_fp8_tensor_scale(__uint_as_float(hd.amax_bits));
-        quant_tensor(1, a.H, ops, a.H, __fdiv_rn(1.0f, sx), xv);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            hd.x_scale = sx;
-            hd.amax_bits = 0u; /* now GEMM1's act amax */
-        }
+    for (int64_t c = threadIdx.x; c < a.H; c += kThreads) /* the loads issued together */
+        amax = mx_amax_step(amax, xv(0, c));
+    amax = mx_warp_max(amax);
+    if ((threadIdx.x & 31) == 0)
+        mx_atomic_amax(&hd.amax_bits, amax);
+    __syncthreads();
+    const float sx = mx_fp8_tensor_scale(__uint_as_float(hd.amax_bits));
+    quant_tensor(1, a.H, ops, a.H, __fdiv_rn(1.0f, sx), xv);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        hd.x_scale = sx;
+        hd.amax_bits = 0u; /* now GEMM1's act amax */
     }
     __syncthreads();
 }
@@ -224,7 +235,7 @@ __device__ __forceinline__ void fused_stage_act_fp8(const fused_args &a, fused_h
     const T *act = static_cast<const T *>(a.act);
     auto av = [&](int v, int64_t c) { return mx_to_float(__ldcg(act + v * a.I + c)); };
     if constexpr (Q == Q_BLOCK) {
-        quant_groups(hd.nvalid, a.I, a.I / kFp8Block, ops, a.I, asc, av);
+        quant_groups(hd.nvalid, a.I, a.I / kFp8Block, ops, a.I, asc, 0, av);
     } else {
         /* every CTA's partial, a thread each (one L2 round trip), into hd.amax_bits, which holds this
          * CTA's own partial already */
