@@ -88,6 +88,28 @@ def test_fused_fp8_matches_reference(method, cfg, dtype, gen):
     only_fused(lambda: layer(x, logits))
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fused_fp8_caller_ids(method, gen):
+    """fused_experts with the caller's ids at one token: the one launch reads them instead of
+    routing (block scales: x quantized meanwhile by the other warps) and gives the layer's
+    forward on the same routing."""
+    e, k, h, i = 9, 3, 256, 384
+    layer = loaded(gen, "mixtral", method, torch.bfloat16, e, k, h, i, FP8_GATED[0])
+    x = randn(gen, 1, h, dtype=torch.bfloat16, device="cuda")
+    logits = randn(gen, 1, e, device="cuda", scale=2.0)
+    topk_weights, topk_ids = moe_ext.FusedMoE.select_experts(x, logits, k, False, layer.renormalize)
+    scales = [layer._parameters[n] for n in layer._fp8_scale_names]
+
+    def run():
+        return moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                     w1_scale=scales[0], w2_scale=scales[1], block_shape=METHODS[method])
+
+    out = run()
+    compare_tensor(layer, out, x, logits, FP8_GATED[0], f"fused fp8 {method} caller ids")
+    assert torch.equal(out, layer(x, logits)), "caller ids and in-kernel routing differ"
+    only_fused(run)
+
+
 @pytest.mark.parametrize("case", ["two tokens", "swigluoai", "h % 128", "h > 2048"])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_other_fp8_layers_take_the_pipeline(method, case, gen):
