@@ -93,12 +93,13 @@ template <typename T, int Q> __global__ void __launch_bounds__(kThreads, 1) deco
     } else {
         float *xsc = reinterpret_cast<float *>(fused_smem + a.off_xsc);
         float *asc = reinterpret_cast<float *>(fused_smem + a.off_asc);
-        if constexpr (Q == Q_BLOCK) {
-            fused_route(a, hd, route_rows, [&](int first) { fused_stage_x_fp8_block<T>(a, ops, xsc, first); });
-        } else {
-            fused_route(a, hd, route_rows, [](int) {});
+        /* block-scaled x quantized beside the routing; per tensor needs the CTA's amax first */
+        fused_route(a, hd, route_rows, [&](int first) {
+            if constexpr (Q == Q_BLOCK)
+                fused_stage_x_fp8_block<T>(a, ops, xsc, first);
+        });
+        if constexpr (Q != Q_BLOCK)
             fused_stage_x_fp8_tensor<T>(a, hd, ops);
-        }
         fused_gemm1_fp8<T, Q>(a, hd, ops, xsc, ys);
         cg::grid_group grid = cg::this_grid();
         cg::grid_group::arrival_token arrived = grid.barrier_arrive();
