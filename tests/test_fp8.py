@@ -359,6 +359,13 @@ def routed_case(gen, style, method, device, m):
     return layer, x, logits, topk_weights, topk_ids
 
 
+def functional_fp8(layer, method, x, topk_weights, topk_ids, **kw):
+    """moe_ext.fused_experts (vLLM's functional form) on the FP8 layer's own weights and scales."""
+    scales = [layer._parameters[n] for n in layer._fp8_scale_names]
+    return moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                 w1_scale=scales[0], w2_scale=scales[1], block_shape=METHODS[method], **kw)
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_fp8_moe_apply_matches_forward(method, device, gen):
     """quant_method.apply(layer, x, topk_weights, topk_ids) is the forward after routing."""
@@ -376,10 +383,7 @@ def test_functional_fused_experts_fp8(method, device, gen):
     """vLLM's functional fused_experts with float8 weights and w1_scale / w2_scale (and
     block_shape) computes what the FP8 layer holding those weights computes."""
     layer, x, logits, topk_weights, topk_ids = routed_case(gen, "mixtral", method, device, 21)
-    scales = [layer._parameters[n] for n in layer._fp8_scale_names]
-    out = moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                w1_scale=scales[0], w2_scale=scales[1],
-                                block_shape=METHODS[method])
+    out = functional_fp8(layer, method, x, topk_weights, topk_ids)
     assert torch.equal(out, layer(x, logits))
     want = ref.fp8_experts(x.cpu(), *(w.cpu() for w in dequantized(layer)), topk_weights.cpu(),
                            topk_ids.cpu(), block=method == "block", act_dtype=torch.bfloat16)
@@ -387,9 +391,7 @@ def test_functional_fused_experts_fp8(method, device, gen):
     with pytest.raises(ValueError, match="w1_scale"):
         moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
     with pytest.raises(NotImplementedError, match="a1_scale"):
-        moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                              w1_scale=scales[0], w2_scale=scales[1],
-                              block_shape=METHODS[method], a1_scale=torch.ones(1))
+        functional_fp8(layer, method, x, topk_weights, topk_ids, a1_scale=torch.ones(1))
 
 
 @pytest.mark.parametrize("method", list(METHODS))

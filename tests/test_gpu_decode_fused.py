@@ -12,7 +12,7 @@ import moe_ext
 from moe_ext import _C
 from helpers import capture_forward, decode_fused, expert_weights, kernels_of, on_hopper, randn, replay
 import reference as ref
-from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS
+from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS, functional_fp8
 from test_gpu import CONFIGS, check, cuda_case, out_of_range_case
 from test_gpu_fp8_sm90 import compare_tensor, loaded
 
@@ -98,11 +98,9 @@ def test_fused_fp8_caller_ids(method, gen):
     x = randn(gen, 1, h, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, 1, e, device="cuda", scale=2.0)
     topk_weights, topk_ids = moe_ext.FusedMoE.select_experts(x, logits, k, False, layer.renormalize)
-    scales = [layer._parameters[n] for n in layer._fp8_scale_names]
 
     def run():
-        return moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                     w1_scale=scales[0], w2_scale=scales[1], block_shape=METHODS[method])
+        return functional_fp8(layer, method, x, topk_weights, topk_ids)
 
     out = run()
     compare_tensor(layer, out, x, logits, FP8_GATED[0], f"fused fp8 {method} caller ids")
