@@ -360,9 +360,11 @@ def routed_case(gen, style, method, device, m):
 
 
 def functional_fp8(layer, method, x, topk_weights, topk_ids, **kw):
-    """moe_ext.fused_experts (vLLM's functional form) on the FP8 layer's own weights and scales."""
+    """moe_ext.fused_experts (vLLM's functional form) on the FP8 layer's own weights (row-major:
+    the functional form does not read the Hopper packed layout) and scales."""
     scales = [layer._parameters[n] for n in layer._fp8_scale_names]
-    return moe_ext.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+    w13, w2 = (packing.row_major(layer, name) for name in ("w13_weight", "w2_weight"))
+    return moe_ext.fused_experts(x, w13, w2, topk_weights, topk_ids,
                                  w1_scale=scales[0], w2_scale=scales[1], block_shape=METHODS[method], **kw)
 
 
