@@ -3,7 +3,7 @@ fused_moe) for engines that hold their own weights. Shapes follow vLLM:
 hidden_states [M, H], w1 [E, 2I, H] (gated) or [E, I, H], w2 [E, H, I]."""
 import torch
 
-from . import _C
+from . import _C, packing
 
 _NON_GATED_SUFFIX = "_no_mul"
 
@@ -95,6 +95,10 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
     (written into hidden_states when inplace=True). float8_e4m3fn weights with w1_scale /
     w2_scale run w8a8 (per tensor, or 128x128 blocks with block_shape=[128, 128])."""
     quant = _quant_mode(w1, w1_scale, w2_scale, a1_scale, a2_scale, block_shape)
+    for name, weight in (("w1", w1), ("w2", w2)):
+        if packing.is_packed(weight):
+            raise ValueError(f"{name}: holds a FusedMoE's packed Hopper layout; the functional form "
+                             "reads row-major weights (moe_ext.packing.row_major(layer, name))")
     act, gated = parse_activation(activation, is_act_and_mul)
     if is_act_and_mul is None and w1.dim() == 3 and w2.dim() == 3 and w1.shape[1] == w2.shape[2]:
         gated = False

@@ -53,13 +53,22 @@ def _swap_block_axes_(weight, packed_now):
 
 
 def pack_(weight):
-    """Rewrites [E, N, K] row-major weights into the packed layout, in place."""
+    """Rewrites [E, N, K] row-major weights into the packed layout, in place, and marks the
+    tensor object packed (is_packed)."""
     _swap_block_axes_(weight, packed_now=False)
+    weight._moe_ext_packed = True
 
 
 def unpack_(weight):
     """The inverse of pack_, in place."""
     _swap_block_axes_(weight, packed_now=True)
+    weight._moe_ext_packed = False
+
+
+def is_packed(weight):
+    """Whether this tensor object holds the packed layout (pack_ marks it; a view or .data of
+    it is a new object and carries no mark)."""
+    return getattr(weight, "_moe_ext_packed", False)
 
 
 def unpacked(weight):

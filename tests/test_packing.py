@@ -99,3 +99,22 @@ def test_engine_refuses_packed_weights_it_cannot_read(gen):
     layer._core.weights_packed = False
     assert layer(x, logits).shape == (3, 128)
     assert isinstance(moe_ext._C.MoECore(2).weights_packed, bool)
+
+
+def test_functional_form_refuses_packed_weights(gen):
+    """fused_experts reads row-major weights only: a tensor pack_ rewrote raises, naming the
+    argument, instead of giving wrong outputs; unpacked again it runs."""
+    w = expert_weights(gen, 4, 128, 64, dtype=torch.bfloat16)
+    x = randn(gen, 3, 128, dtype=torch.bfloat16)
+    topk_weights, topk_ids = moe_ext.FusedMoE.select_experts(x, randn(gen, 3, 4), 2, False, True)
+    want = moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], topk_weights, topk_ids)
+    for arg, name in (("w1", "w13_weight"), ("w2", "w2_weight")):
+        packing.pack_(w[name])
+        assert packing.is_packed(w[name]) is True
+        with pytest.raises(ValueError, match=f"{arg}: holds a FusedMoE's packed Hopper layout"):
+            moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], topk_weights, topk_ids)
+        assert not packing.is_packed(packing.unpacked(w[name]))
+        packing.unpack_(w[name])
+        assert not packing.is_packed(w[name])
+    assert torch.equal(moe_ext.fused_experts(x, w["w13_weight"], w["w2_weight"], topk_weights, topk_ids),
+                       want)
