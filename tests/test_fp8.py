@@ -252,9 +252,14 @@ CONFIGS = [
 ]
 
 
+def row_major_weights(layer):
+    """The layer's (w13_weight, w2_weight), row-major copies where the layer packed them."""
+    return tuple(packing.row_major(layer, name) for name in ("w13_weight", "w2_weight"))
+
+
 def dequantized(layer):
     """The layer's FP8 weights as float64 (w13, w2), row-major where the layer packed them."""
-    w13, w2 = (packing.row_major(layer, name) for name in ("w13_weight", "w2_weight"))
+    w13, w2 = row_major_weights(layer)
     if layer.quant_method.weight_block_size is None:
         return (ref.fp8_dequant_tensor(w13, layer.w13_weight_scale),
                 ref.fp8_dequant_tensor(w2, layer.w2_weight_scale))
@@ -363,7 +368,7 @@ def functional_fp8(layer, method, x, topk_weights, topk_ids, **kw):
     """moe_ext.fused_experts (vLLM's functional form) on the FP8 layer's own weights (row-major:
     the functional form does not read the Hopper packed layout) and scales."""
     scales = [layer._parameters[n] for n in layer._fp8_scale_names]
-    w13, w2 = (packing.row_major(layer, name) for name in ("w13_weight", "w2_weight"))
+    w13, w2 = row_major_weights(layer)
     return moe_ext.fused_experts(x, w13, w2, topk_weights, topk_ids,
                                  w1_scale=scales[0], w2_scale=scales[1], block_shape=METHODS[method], **kw)
 
