@@ -288,7 +288,9 @@ class FusedMoE(ExpertWeightLoader, torch.nn.Module):
     def weights_packed(self):
         """Whether w13_weight / w2_weight hold the packed layout of the Hopper kernels
         (moe_ext.packing; packing.row_major(layer, name) gives the row-major form). The
-        engine's flag, read by every forward, is the one record of it."""
+        engine's flag, read by every forward, is the layer's record of it; _set_weights_packed
+        sets it together with the parameters' own mark (packing.is_packed, which the
+        functional form checks, having no layer)."""
         return self._core.weights_packed
 
     def _set_weights_packed(self, packed):

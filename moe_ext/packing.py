@@ -8,6 +8,8 @@ as one stream (benchmarks/NOTES.md, "The decode weight stream"). FusedMoE packs
 w13 / w2 in process_weights_after_loading() where the layer runs on a Hopper GPU
 and the shapes allow it, and unpacks them before the weight loader writes into
 them again; MOE_EXT_PACKED_WEIGHTS=0 keeps the checkpoint's row-major layout.
+pack_ / unpack_ also mark the tensor object (is_packed), so that the functional form,
+which gets tensors and no layer, refuses packed weights.
 """
 import os
 
