@@ -364,11 +364,12 @@ def routed_case(gen, style, method, device, m):
     return layer, x, logits, topk_weights, topk_ids
 
 
-def functional_fp8(layer, method, x, topk_weights, topk_ids, **kw):
+def functional_fp8(layer, method, x, topk_weights, topk_ids, weights=None, **kw):
     """moe_ext.fused_experts (vLLM's functional form) on the FP8 layer's own weights (row-major:
-    the functional form does not read the Hopper packed layout) and scales."""
+    the functional form does not read the Hopper packed layout; weights: row_major_weights(layer)
+    made once by the caller) and scales."""
     scales = [layer._parameters[n] for n in layer._fp8_scale_names]
-    w13, w2 = row_major_weights(layer)
+    w13, w2 = weights if weights is not None else row_major_weights(layer)
     return moe_ext.fused_experts(x, w13, w2, topk_weights, topk_ids,
                                  w1_scale=scales[0], w2_scale=scales[1], block_shape=METHODS[method], **kw)
 

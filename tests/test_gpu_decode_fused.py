@@ -12,7 +12,7 @@ import moe_ext
 from moe_ext import _C
 from helpers import capture_forward, decode_fused, expert_weights, kernels_of, on_hopper, randn, replay
 import reference as ref
-from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS, functional_fp8
+from test_fp8 import CONFIGS as FP8_CONFIGS, METHODS, functional_fp8, row_major_weights
 from test_gpu import CONFIGS, check, cuda_case, out_of_range_case
 from test_gpu_fp8_sm90 import compare_tensor, loaded
 
@@ -98,9 +98,10 @@ def test_fused_fp8_caller_ids(method, gen):
     x = randn(gen, 1, h, dtype=torch.bfloat16, device="cuda")
     logits = randn(gen, 1, e, device="cuda", scale=2.0)
     topk_weights, topk_ids = moe_ext.FusedMoE.select_experts(x, logits, k, False, layer.renormalize)
+    weights = row_major_weights(layer)  # made here: their copies are not the forward's launches
 
     def run():
-        return functional_fp8(layer, method, x, topk_weights, topk_ids)
+        return functional_fp8(layer, method, x, topk_weights, topk_ids, weights)
 
     out = run()
     compare_tensor(layer, out, x, logits, FP8_GATED[0], f"fused fp8 {method} caller ids")
